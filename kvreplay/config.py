@@ -1,0 +1,83 @@
+"""One validated configuration for the engine; Python keywords and CLI flags all land here."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_bytes(value: int | str) -> int:
+    """`268435456`, `"256MiB"`, `"1.5GB"` -> bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse size {value!r}: use bytes or a unit like '256MiB', '2GB'")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {value}; use float32, bfloat16 or float16")
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine.
+
+    Attributes:
+        model: a .gguf file, a Hugging Face directory, or None for the embedded SmolLM2-135M.
+        dtype: weights, activations and KV cache ("float32" for exactness, "bfloat16" for speed).
+        device: "cpu" or "cuda[:N]".
+        kv_cache_memory: bytes of KV cache (int or "256MiB").
+        block_size: tokens per KV block.
+        max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+        max_num_seqs: sequences in the running batch at most.
+        max_model_len: longest prompt + output; defaults to the model's context.
+        policy: KV policy preset; "full" keeps every block hot.
+    """
+    model: str | None = None
+    dtype: str | torch.dtype = "bfloat16"
+    device: str = "cpu"
+    kv_cache_memory: int | str = "256MiB"
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    policy: str = "full"
+    seed: int = 0
+
+    def __post_init__(self):
+        self.torch_dtype = parse_dtype(self.dtype)
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.policy != "full":
+            raise ValueError(f"unknown policy {self.policy!r}; available: full")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA GPU; use device='cpu'")

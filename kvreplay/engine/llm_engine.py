@@ -1,0 +1,258 @@
+"""The step loop: schedule, run the model, sample, detokenize, finish, report."""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvreplay.config import EngineConfig
+from kvreplay.engine.kv_manager import KVManager
+from kvreplay.engine.model_runner import ModelRunner
+from kvreplay.engine.scheduler import Scheduler
+from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.models.llama import LlamaModel
+from kvreplay.models.loader import load_model
+from kvreplay.outputs import CompletionOutput, RequestOutput
+from kvreplay.sampling import SamplingParams, sample, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    stream: bool
+
+
+@dataclass
+class EngineCounters:
+    """Totals since start, for metrics."""
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        self.model = LlamaModel(loaded.config, loaded.weights, config.torch_dtype, config.device)
+        del loaded
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
+                             f"({self.model_config.max_position_embeddings})")
+        self.eos_token_ids = self._eos_ids()
+
+        dtype_bytes = torch.finfo(config.torch_dtype).bits // 8
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(dtype_bytes)
+        num_blocks = config.kv_cache_bytes // (self.kv_bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
+                f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
+        cfg = self.model_config
+        self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
+                            cfg.head_dim, config.torch_dtype, config.device)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv)
+        self.requests: dict[str, _Request] = {}
+        self.counters = EngineCounters()
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                      for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:5]}")
+            return list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> str:
+        """Queue a prompt. Raises ValueError/TypeError for input the engine cannot serve."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt:,} tokens but the context is "
+                             f"{self.max_model_len:,}: shorten it (leave room for one output token)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt:,} tokens) + max_tokens ({max_tokens:,}) exceeds "
+                             f"the context of {self.max_model_len:,} tokens: lower max_tokens")
+        capacity = self.kv.capacity_tokens
+        if num_prompt + max_tokens > capacity:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory!r} holds {capacity:,} tokens; this "
+                f"request needs up to {num_prompt + max_tokens:,} (prompt {num_prompt:,} + max_tokens "
+                f"{max_tokens:,}): raise kv_cache_memory or lower max_tokens")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = []
+        for branch in range(params.n):
+            generator = None
+            if not params.greedy:
+                seed = params.seed + branch if params.seed is not None else self._rng.getrandbits(63)
+                generator = torch.Generator().manual_seed(seed)
+            seq = Sequence(request_id, token_ids, params, self.eos_token_ids, generator, branch)
+            seq.max_tokens = max_tokens
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
+                                             token_ids, seqs, stream)
+        self.counters.prompt_tokens += num_prompt
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                self._finish(seq, "abort")
+        self.counters.requests_aborted += 1
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step. Returns an output for each request that made progress."""
+        batch = self.scheduler.schedule()
+        self.counters.preemptions += len(batch.preempted)
+        if not batch:
+            assert not self.scheduler.running or batch.preempted, "running work but nothing scheduled"
+            return []
+        self.counters.steps += 1
+        logits, sampled = self.runner.run(batch)
+        for seq, chunk in batch.prefills:
+            seq.num_computed_tokens += chunk
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        touched: dict[str, _Request] = {}
+        if sampled:
+            params = [seq.params for seq in sampled]
+            tokens = sample(logits, params, [seq.generator for seq in sampled])
+            want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprob_rows = {}
+            if want_logprobs:
+                index = torch.tensor(want_logprobs)
+                k = max(params[i].logprobs for i in want_logprobs)
+                for i, entry in zip(want_logprobs, top_logprobs(logits[index], tokens[index], k)):
+                    keep = params[i].logprobs
+                    chosen = int(tokens[i])
+                    top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:keep])
+                    top[chosen] = entry[chosen]
+                    logprob_rows[i] = top
+            for row, seq in enumerate(sampled):
+                self._append(seq, int(tokens[row]), logprob_rows.get(row))
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for request in touched.values():
+            done = all(seq.is_finished for seq in request.seqs)
+            if done:
+                del self.requests[request.request_id]
+                self.counters.requests_finished += 1
+            if done or request.stream:
+                outputs.append(self._output(request))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        seq.stats.completion_tokens += 1
+        self.counters.generation_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        request = self.requests[seq.request_id]
+        if seq.params.stop or request.stream:
+            self._detokenize(seq)
+            if self._hit_stop_string(seq):
+                return self._end(seq, "stop")
+        if token in seq.stop_ids:
+            return self._end(seq, "stop")
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._end(seq, "length")
+
+    def _detokenize(self, seq: Sequence) -> None:
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        cut = min((i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.text = seq.text[:cut]
+        return True
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        if reason != "stop" or not seq.params.stop:
+            self._detokenize(seq)
+        self._finish(seq, reason)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = [CompletionOutput(seq.branch, seq.text, list(seq.output_token_ids),
+                                        seq.finish_reason,
+                                        list(seq.logprobs) if seq.params.logprobs is not None else None,
+                                        seq.stats)
+                       for seq in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished=all(seq.is_finished for seq in request.seqs))
+
+    def check_integrity(self) -> None:
+        """KV pool invariants plus: each live sequence owns room for exactly its computed tokens."""
+        self.kv.check_integrity()
+        for seq in self.scheduler.running:
+            assert self.kv.num_slots(seq.seq_id) == seq.num_computed_tokens, \
+                f"seq {seq.seq_id}: {self.kv.num_slots(seq.seq_id)} slots, {seq.num_computed_tokens} computed"
+        for seq in self.scheduler.waiting:
+            assert self.kv.num_slots(seq.seq_id) == seq.num_computed_tokens, \
+                f"waiting seq {seq.seq_id} holds {self.kv.num_slots(seq.seq_id)} slots"
+        if not self.requests:
+            assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds blocks"

@@ -1,0 +1,84 @@
+"""Per-request bookkeeping: tokens, progress, finish state and counters.
+
+A Sequence never touches KV blocks itself; its block table lives in the KV manager.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, asdict
+
+import torch
+
+from kvreplay.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestStats:
+    """The counters of SPEC §5, per request; zero where a policy does not act."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    dropped_tokens: int = 0
+    replays: int = 0
+    replayed_tokens: int = 0
+    cold_blocks: int = 0
+    approx_tokens: int = 0
+    pauses: int = 0
+    replay_mismatches: int = 0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], generator: torch.Generator | None, branch: int = 0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.branch = branch
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + generated
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        self.generator = generator
+        self.logprobs: list[dict[int, float]] = []
+        self.text = ""        # detokenized output (stop strings trimmed once finished)
+        self.stats = RequestStats(prompt_tokens=len(prompt_token_ids))
+        self.max_tokens: int = params.max_tokens or 0  # filled in by the engine when None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens still lacking K/V: the prompt (or everything, after a preemption) while
+        prefilling, exactly 1 (the newest sampled token) while decoding."""
+        return len(self.token_ids) - self.num_computed_tokens

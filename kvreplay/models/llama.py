@@ -1,0 +1,119 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+
+Plain tensors and `torch.nn.functional`; the device and dtype follow the weights. Attention is
+delegated to `kvreplay.engine.attention.paged_attention`, which reads and writes the paged KV cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvreplay.engine.attention import AttentionMetadata, paged_attention
+from kvreplay.models.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as transformers: normalise in fp32, cast back, then scale.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint lacks tensor {name}")
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed_tokens = take("model.embed_tokens.weight")  # [V, hidden]
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings or "lm_head.weight" not in weights \
+            else take("lm_head.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            layer = {
+                "input_norm": take(prefix + "input_layernorm.weight"),
+                "post_norm": take(prefix + "post_attention_layernorm.weight"),
+                # Fused projections: one matmul instead of three (q, k, v) and two (gate, up).
+                "qkv": torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                  take(attn + "v_proj.weight")]),
+                "o": take(attn + "o_proj.weight"),
+                "gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                "down": take(mlp + "down_proj.weight"),
+                "qkv_bias": None, "q_norm": None, "k_norm": None,
+            }
+            if config.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
+                                               take(attn + "v_proj.bias")])
+            if config.qk_norm:
+                layer["q_norm"] = take(attn + "q_norm.weight")
+                layer["k_norm"] = take(attn + "k_norm.weight")
+            self.layers.append(layer)
+
+        head_dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                                .float() / head_dim))
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.rope_cos = emb.cos().to(self.device)
+        self.rope_sin = emb.sin().to(self.device)
+        self.scale = head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, logit_indices: torch.Tensor | None) -> torch.Tensor:
+        """Run one step over a flat batch of tokens.
+
+        Args:
+            input_ids: [T] token ids of every scheduled token, all sequences concatenated.
+            positions: [T] absolute positions.
+            kv_caches: per layer, [2, num_blocks, block_size, num_kv_heads, head_dim].
+            meta: where each token's K/V goes and what each query attends to.
+            logit_indices: rows of the batch whose logits are wanted (None: all).
+        Returns:
+            [len(logit_indices), vocab] float32 logits.
+        """
+        cfg = self.config
+        num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = num_q * head_dim, num_kv * head_dim
+        cos = self.rope_cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        num_tokens = hidden.shape[0]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            residual = hidden
+            x = rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])  # [T, q_size + 2 kv_size]
+            q = qkv[:, :q_size].view(num_tokens, num_q, head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv, head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
+            if layer["q_norm"] is not None:
+                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, num_q, D]
+            hidden = residual + F.linear(attn.reshape(num_tokens, q_size), layer["o"])
+            residual = hidden
+            x = rms_norm(hidden, layer["post_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+        if logit_indices is not None:
+            hidden = hidden[logit_indices]
+        hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+        return F.linear(hidden, self.lm_head).float()

