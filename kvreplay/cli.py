@@ -10,6 +10,7 @@ import sys
 # module -> subcommands it registers
 SUBCOMMAND_MODULES = [
     "kvreplay.commands.generate",   # generate, chat
+    "kvreplay.commands.plan",       # plan
 ]
 
 
