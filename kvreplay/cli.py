@@ -11,6 +11,7 @@ import sys
 SUBCOMMAND_MODULES = [
     "kvreplay.commands.generate",   # generate, chat
     "kvreplay.commands.plan",       # plan
+    "kvreplay.commands.bench",      # bench serve, bench quality
 ]
 
 

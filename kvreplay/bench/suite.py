@@ -1,0 +1,63 @@
+"""Side-by-side runs: one workload, each policy (and peer) in turn, one result document."""
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, replace
+
+from kvreplay.bench.report import environment
+from kvreplay.bench.workload import WorkloadSpec, corpus_token_ids, make_workload
+from kvreplay.config import EngineConfig
+
+
+def check_policies(config: EngineConfig, policies: list[str]) -> list[EngineConfig]:
+    """One config per policy; an unknown policy fails here, before any model loads."""
+    if not policies:
+        raise ValueError("give at least one policy")
+    return [replace(config, policy=p) for p in policies]
+
+
+def load_tokenizer(model: str | None):
+    """The model's tokenizer without its weights (for driving a server)."""
+    from kvreplay.models import loader
+    path = loader.resolve_model_path(model)
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    return loader._gguf_tokenizer(path)  # cached on disk by the loader
+
+
+def make_llm(config: EngineConfig):
+    from kvreplay.api import LLM
+    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    return LLM(**fields)
+
+
+def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], url: str | None = None,
+                peers: list[str] = (), progress: bool = True, on_step=None) -> dict:
+    """Run `spec` under each policy in-process (or once against `url`), then each peer."""
+    from kvreplay.bench import serve
+    configs = check_policies(config, policies)
+    result = {"kind": "serve", "environment": environment(), "workload": asdict(spec),
+              "engine": {k: v for k, v in asdict(config).items() if k != "policy"}, "runs": [], "peers": []}
+    if url:
+        tokenizer = load_tokenizer(config.model)
+        warmup, timed = make_workload(spec, corpus_token_ids(tokenizer))
+        result["runs"].append(serve.run_against_url(url, timed, warmup, progress=progress).as_dict())
+    else:
+        timed = None
+        for policy_config in configs:
+            llm = make_llm(policy_config)
+            if timed is None:
+                warmup, timed = make_workload(spec, corpus_token_ids(llm.tokenizer), llm.engine.max_model_len)
+            run = serve.run_in_process(llm.engine, timed, warmup, label=policy_config.policy,
+                                       progress=progress, on_step=on_step)
+            result["runs"].append(run.as_dict())
+            del llm
+            gc.collect()
+    if peers:
+        from kvreplay.bench import peers as peer_module
+        ours = result["runs"][0]["metrics"]["output_token_throughput"]
+        for name in peers:
+            result["peers"].append(peer_module.run_serve_peer(name, config, timed, warmup, ours, progress))
+    return result
