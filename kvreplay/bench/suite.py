@@ -34,12 +34,16 @@ def make_llm(config: EngineConfig):
 
 
 def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], url: str | None = None,
-                peers: list[str] = (), progress: bool = True, on_step=None) -> dict:
-    """Run `spec` under each policy in-process (or once against `url`), then each peer."""
+                peers: list[str] = (), progress: bool = True, on_step=None,
+                budgets: list[str] | None = None) -> dict:
+    """Run `spec` under each policy (x each KV budget) in-process, or once against `url`; then
+    each peer. Runs are labelled `policy` (or `policy@budget` with several budgets)."""
     from kvreplay.bench import serve
-    configs = check_policies(config, policies)
+    budgets = budgets or [config.kv_cache_memory]
+    configs = [replace(c, kv_cache_memory=b) for c in check_policies(config, policies) for b in budgets]
     result = {"kind": "serve", "environment": environment(), "workload": asdict(spec),
-              "engine": {k: v for k, v in asdict(config).items() if k != "policy"}, "runs": [], "peers": []}
+              "engine": {k: v for k, v in asdict(config).items() if k not in ("policy", "kv_cache_memory")},
+              "runs": [], "peers": []}
     if url:
         tokenizer = load_tokenizer(config.model)
         warmup, timed = make_workload(spec, corpus_token_ids(tokenizer))
@@ -50,9 +54,11 @@ def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], u
             llm = make_llm(policy_config)
             if timed is None:
                 warmup, timed = make_workload(spec, corpus_token_ids(llm.tokenizer), llm.engine.max_model_len)
-            run = serve.run_in_process(llm.engine, timed, warmup, label=policy_config.policy,
-                                       progress=progress, on_step=on_step)
-            result["runs"].append(run.as_dict())
+            label = policy_config.policy + (f"@{policy_config.kv_cache_memory}" if len(budgets) > 1 else "")
+            run = serve.run_in_process(llm.engine, timed, warmup, label=label, progress=progress,
+                                       on_step=on_step)
+            result["runs"].append(run.as_dict() | {"policy": policy_config.policy,
+                                                   "budget": policy_config.kv_cache_memory})
             del llm
             gc.collect()
     if peers:

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="serving and quality benchmarks per KV policy",
                                   description="Benchmarks of SPEC §8. Run `kvreplay bench serve --help` "
                                               "or `kvreplay bench quality --help`.")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{serve,quality}")
+    commands = bench.add_subparsers(dest="bench_command", metavar="{serve,quality,plot}")
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
     serve = commands.add_parser(
@@ -58,6 +58,8 @@ def register(subparsers) -> None:
     serve.add_argument("--output-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
     serve.add_argument("--num-warmup", type=int, default=2, help="untimed warmup requests (default: %(default)s)")
     serve.add_argument("--url", default=None, help="bench a running server (OpenAI API) instead of in-process")
+    serve.add_argument("--budgets", type=_csv, default=None,
+                       help="KV budgets to run each policy at, e.g. 16MiB,64MiB (default: --kv-cache-memory)")
     serve.add_argument("--peers", type=_csv, default=[],
                        help="also run the same requests through: transformers, llama-cpp (ratios reported)")
     _add_common(serve)
@@ -85,6 +87,14 @@ def register(subparsers) -> None:
     _add_common(quality)
     quality.set_defaults(func=run_quality)
 
+    plot = commands.add_parser("plot", help="PNG figures from bench JSON results (needs matplotlib)",
+                               description="Throughput against budget from a `bench serve --budgets` "
+                                           "result; memory against quality from a `bench quality` result.")
+    plot.add_argument("--serve", default=None, help="a bench serve JSON result")
+    plot.add_argument("--quality", default=None, help="a bench quality JSON result")
+    plot.add_argument("--out", default=".", help="folder for the PNGs (default: %(default)s)")
+    plot.set_defaults(func=run_plot)
+
 
 def _finish(args, result: dict, markdown: str) -> int:
     from kvreplay.bench.report import write_json
@@ -108,7 +118,7 @@ def run_serve(args) -> int:
     print(f"bench serve: {spec.num_requests} requests, prompt buckets {spec.buckets}, "
           f"{spec.output_tokens} output tokens, rate {spec.request_rate}/s", file=sys.stderr)
     result = serve_suite(config, spec, args.policies or [args.policy], args.url, args.peers,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, budgets=args.budgets)
     return _finish(args, result, serve_markdown(result["runs"], result["peers"]))
 
 
@@ -124,3 +134,19 @@ def run_quality(args) -> int:
     result = quality_suite(config, spec, args.policies or [args.policy],
                            args.budgets or [args.kv_cache_memory], progress=not args.no_progress)
     return _finish(args, result, quality_markdown(result))
+
+
+def run_plot(args) -> int:
+    import json
+    import os
+    from kvreplay.bench import plots
+    if not (args.serve or args.quality):
+        raise ValueError("give --serve and/or --quality result files")
+    os.makedirs(args.out, exist_ok=True)
+    for source, draw, name in ((args.serve, plots.throughput_vs_budget, "throughput_vs_budget.png"),
+                               (args.quality, plots.memory_vs_quality, "memory_vs_quality.png")):
+        if source:
+            with open(source) as f:
+                draw(json.load(f), os.path.join(args.out, name))
+            print(os.path.join(args.out, name))
+    return 0
