@@ -10,6 +10,7 @@ import sys
 # module -> subcommands it registers
 SUBCOMMAND_MODULES = [
     "kvreplay.commands.generate",   # generate, chat
+    "kvreplay.commands.serve",      # serve
     "kvreplay.commands.plan",       # plan
     "kvreplay.commands.bench",      # bench serve, bench quality
 ]

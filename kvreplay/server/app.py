@@ -1,0 +1,177 @@
+"""The FastAPI app: auth, errors in the OpenAI shape, and the small routes (models, health,
+metrics, debug). The generation endpoints live in `completions.py`."""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvreplay.server.async_engine import AsyncEngine
+from kvreplay.server.config import ServerConfig
+from kvreplay.server.formatting import TokenFormatter, error_body
+from kvreplay.server.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, _ERROR_TYPES.get(self.status, "server_error"), self.param,
+                          self.code)
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    formatter: TokenFormatter
+    created: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.config.served_model_name}'", "model", "model_not_found")
+
+
+class _Gatekeeper:
+    """Pure ASGI middleware, outermost: checks the API key (all routes but /health) and counts
+    generation responses by status for /metrics (streams count when their headers go out)."""
+
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+        self.app = app
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path in GENERATION_PATHS:
+            send = self._counting(path, send)
+        if self.expected is not None and path != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _counting(self, path: str, send):
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(path, str(message["status"])).inc()
+            await send(message)
+        return counting_send
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The app for one loaded engine. Its lifespan starts the engine loop and, on shutdown
+    (SIGTERM once uvicorn has drained connections), aborts what is left and stops it."""
+    metrics = ServerMetrics(lambda: engine.snapshot)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="kvreplay", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = ServerState(config, engine, metrics, TokenFormatter(engine.llm.tokenizer),
+                                   int(time.time()))
+    app.add_middleware(_Gatekeeper, config=config, metrics=metrics)
+    _add_error_handlers(app)
+    _add_routes(app, config)
+    from kvreplay.server.completions import router
+    app.include_router(router)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return ApiError(400, str(exc.errors()[:3])).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+
+def _add_routes(app: FastAPI, config: ServerConfig) -> None:
+    @app.get("/health")
+    async def health(request: Request):
+        engine: AsyncEngine = request.app.state.server.engine
+        if engine.failure is not None:
+            return JSONResponse({"status": "failed", "error": str(engine.failure)}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    def model_card(state: ServerState) -> dict:
+        return {"id": config.served_model_name, "object": "model", "created": state.created,
+                "owned_by": "kvreplay", "max_model_len": state.engine.engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        return {"object": "list", "data": [model_card(request.app.state.server)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(request: Request, model: str):
+        state: ServerState = request.app.state.server
+        state.check_model(model)
+        return model_card(state)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE)
+
+    if config.debug_endpoints:
+        @app.get("/debug/kv")
+        async def debug_kv(request: Request):
+            """KV pool state, checked on the engine thread between steps."""
+            engine: AsyncEngine = request.app.state.server.engine
+
+            def inspect():
+                state = {"num_blocks": engine.engine.kv.num_blocks,
+                         "num_used_blocks": engine.engine.kv.num_used_blocks,
+                         "num_running": engine.engine.num_running,
+                         "num_waiting": engine.engine.num_waiting,
+                         "num_requests": len(engine.engine.requests)}
+                try:
+                    engine.engine.check_integrity()
+                    state.update(integrity="ok")
+                except AssertionError as exc:
+                    state.update(integrity=f"failed: {exc}")
+                return state
+            state = await engine.call(inspect)
+            state["num_queued_seqs"] = engine.num_queued_seqs
+            return JSONResponse(state, status_code=200 if state["integrity"] == "ok" else 500)

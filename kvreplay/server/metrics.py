@@ -1,0 +1,90 @@
+"""Prometheus metrics (SPEC §7), prefix `kvreplay_`.
+
+Engine-side values come from the snapshot the engine thread publishes after each step, read at
+scrape time by a custom collector, so the HTTP thread never reads live engine state. Per-request
+KV counters (pauses, replays, ...) are totals of the finished sequences' RequestStats; they stay
+0 until a policy acts. Latency histograms are observed by the HTTP handlers.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvreplay.server.generation import EngineSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# metric name (without kvreplay_ and _total) -> (EngineCounters field, help)
+_ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens admitted to the engine"),
+    "generation_tokens": ("generation_tokens", "Tokens generated"),
+    "engine_steps": ("steps", "Engine steps run"),
+    "preemptions": ("preemptions", "Sequences preempted for lack of KV blocks"),
+    "requests_finished": ("requests_finished", "Engine requests that finished"),
+    "requests_aborted": ("requests_aborted", "Engine requests aborted (client gone, shutdown)"),
+}
+# metric name -> (RequestStats field, help)
+_REQUEST_STAT_COUNTERS = {
+    "prefix_cache_hit_tokens": ("prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "pauses": ("pauses", "Times a sequence was paused"),
+    "replays": ("replays", "KV replays (recomputation of dropped blocks)"),
+    "replayed_tokens": ("replayed_tokens", "Tokens recomputed by replays"),
+    "dropped_tokens": ("dropped_tokens", "Tokens whose KV was dropped"),
+    "cold_blocks": ("cold_blocks", "Blocks demoted to the cold tier"),
+    "approx_tokens": ("approx_tokens", "Tokens attended approximately (sparse or quantized KV)"),
+    "replay_mismatches": ("replay_mismatches", "Replays whose recomputed KV did not match"),
+}
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        snap = self._snapshot()
+        usage = GaugeMetricFamily("kvreplay_kv_usage_ratio", "Fraction of KV blocks in use, per tier",
+                                  labels=["tier"])
+        usage.add_metric(["hot"], snap.num_used_blocks / snap.num_blocks if snap.num_blocks else 0.0)
+        yield usage
+        blocks = GaugeMetricFamily("kvreplay_kv_blocks", "KV blocks per tier and state",
+                                   labels=["tier", "state"])
+        blocks.add_metric(["hot", "used"], snap.num_used_blocks)
+        blocks.add_metric(["hot", "free"], snap.num_blocks - snap.num_used_blocks)
+        yield blocks
+        yield GaugeMetricFamily("kvreplay_num_requests_running", "Sequences in the running batch",
+                                value=snap.num_running)
+        yield GaugeMetricFamily("kvreplay_num_requests_waiting", "Sequences waiting to be scheduled",
+                                value=snap.num_waiting)
+        for name, (source, doc) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.counters.get(source, 0))
+        for name, (source, doc) in _REQUEST_STAT_COUNTERS.items():
+            yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.request_stats.get(source, 0))
+
+
+class ServerMetrics:
+    """One registry per server (not the global one), so tests can run several apps."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        disable_created_metrics()  # the *_created series only clutter a scrape
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(snapshot))
+        self.http_requests = Counter(
+            "kvreplay_requests", "Generation requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "kvreplay_time_to_first_token_seconds", "Arrival to first streamed token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "kvreplay_time_per_output_token_seconds", "Mean gap between streamed tokens after the first",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "kvreplay_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+            registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
