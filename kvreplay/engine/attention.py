@@ -4,7 +4,7 @@ A step's tokens are laid out flat: first one token per decoding sequence, then e
 chunk's tokens in turn. K/V of every scheduled token are written into the cache first (at
 `slot_mapping`), then each query attends to its sequence's cached context through its block table:
 
-    block table [7, 2, 9]  ->  cache rows  block 7: positions  0..15
+    block table [7, 2, 9]  ->  cache rows  block 7: positions  0..15   (per KV head)
                                            block 2: positions 16..31
                                            block 9: positions 32..(context_len-1)
 """
@@ -30,29 +30,22 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [T] cache row of each token
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size] bool
+    decode_padding: torch.Tensor | None = None       # [Hkv*B, 1, max_blocks * block_size] True past the context
     prefills: list[PrefillSlice] = field(default_factory=list)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]."""
-    num_blocks, block_size, num_kv, head_dim = kv_cache.shape[1:]
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    key_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
-    value_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]."""
+    num_kv, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]  # [Hkv, num_blocks, block_size, D]
+    key_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    value_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
 
     num_decode = meta.num_decode_tokens
     if num_decode:
-        tables = meta.decode_block_tables
-        width = tables.shape[1] * block_size
-        keys = key_cache[tables].view(num_decode, width, num_kv, head_dim).transpose(1, 2)
-        values = value_cache[tables].view(num_decode, width, num_kv, head_dim).transpose(1, 2)
-        decoded = F.scaled_dot_product_attention(
-            q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-            scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-        out[:num_decode] = decoded.squeeze(2)
+        out[:num_decode] = _decode_attention(q[:num_decode], key_cache, value_cache, meta, scale)
 
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_end)
@@ -64,10 +57,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                                     scale=scale, enable_gqa=True)
         else:
             context = chunk.context_tokens
-            keys = key_cache[chunk.block_table].view(-1, num_kv, head_dim)[:context]
-            values = value_cache[chunk.block_table].view(-1, num_kv, head_dim)[:context]
-            result = F.scaled_dot_product_attention(
-                query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-                attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            keys = key_cache[:, chunk.block_table].view(num_kv, -1, head_dim)[:, :context]
+            values = value_cache[:, chunk.block_table].view(num_kv, -1, head_dim)[:, :context]
+            result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
+                                                    attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[rows] = result.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence. Plain batched matmuls: the CPU flash kernel is slow at q_len=1.
+
+    The query heads sharing a KV head are stacked as rows, so K/V are never repeated."""
+    num_seqs, num_q, head_dim = q.shape
+    num_kv = key_cache.shape[0]
+    group = num_q // num_kv
+    tables = meta.decode_block_tables
+    width = tables.shape[1] * key_cache.shape[2]
+    keys = key_cache[:, tables].view(num_kv * num_seqs, width, head_dim)      # [Hkv*B, L, D]
+    values = value_cache[:, tables].view(num_kv * num_seqs, width, head_dim)  # [Hkv*B, L, D]
+    query = (q * scale).view(num_seqs, num_kv, group, head_dim).transpose(0, 1) \
+        .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
+    scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]
+    scores.masked_fill_(meta.decode_padding, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.bmm(probs, values)                                                # [Hkv*B, G, D]
+    return out.view(num_kv, num_seqs, num_q // num_kv, head_dim).transpose(0, 1) \
+        .reshape(num_seqs, num_q, head_dim)

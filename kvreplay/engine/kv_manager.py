@@ -17,8 +17,10 @@ class KVManager:
         assert num_blocks > 0 and block_size > 0, "a pool needs at least one block"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim,
+        # One tensor per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
+        # Heads outermost: gathering a batch's blocks yields [Hkv, B, L, D], which batched
+        # matmuls take as it is (no per-layer copy to a head-major layout).
+        self.kv_caches = [torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim,
                                       dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks

@@ -48,8 +48,9 @@ class ModelRunner:
                 sampled.append(seq)
             meta.num_decode_tokens = len(tables)
             meta.decode_block_tables = padded.to(self.device)
-            meta.decode_mask = (torch.arange(width * block_size)[None, :] < context[:, None]) \
-                .view(len(tables), 1, 1, -1).to(self.device)
+            padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
+            num_kv = self.model.config.num_kv_heads
+            meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
 
         for seq, chunk in batch.prefills:
             start = seq.num_computed_tokens
