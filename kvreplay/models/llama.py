@@ -91,22 +91,21 @@ class LlamaModel:
         cfg = self.config
         num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = num_q * head_dim, num_kv * head_dim
-        cos = self.rope_cos[positions].to(self.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        cos = self.rope_cos.index_select(0, positions).to(self.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.rope_sin.index_select(0, positions).to(self.dtype)[:, None, :]
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         num_tokens = hidden.shape[0]
         for layer, kv_cache in zip(self.layers, kv_caches):
             residual = hidden
             x = rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])  # [T, q_size + 2 kv_size]
-            q = qkv[:, :q_size].view(num_tokens, num_q, head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv, head_dim)
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
             if layer["q_norm"] is not None:
-                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+                qk = torch.cat([rms_norm(qk[:, :num_q], layer["q_norm"], cfg.rms_norm_eps),
+                                rms_norm(qk[:, num_q:], layer["k_norm"], cfg.rms_norm_eps)], dim=1)
+            qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated in one pass
+            q, k = qk[:, :num_q], qk[:, num_q:]
             attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, num_q, D]
             hidden = residual + F.linear(attn.reshape(num_tokens, q_size), layer["o"])
             residual = hidden

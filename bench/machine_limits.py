@@ -1,0 +1,74 @@
+"""What this machine can do at best, to put the engine's figures in proportion.
+
+Usage: python bench/machine_limits.py [--threads N] [--dtype bfloat16]
+
+Measures memory bandwidth (a large tensor copy: read + write) and the matmul rate at the
+shapes a decode step of the default model uses, then prints the floor on one decode step:
+max(weight bytes / bandwidth, FLOPs / matmul rate) at batch 1 and batch 32.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    from kvreplay.models.loader import read_model_config
+    cfg = read_model_config(None)
+    src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() * 4 / copy_s  # bytes read + written per second
+
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = [(qkv, hidden), (hidden, cfg.num_heads * cfg.head_dim), (2 * inter, hidden), (hidden, inter)]
+    params_per_layer = sum(o * i for o, i in shapes)
+    weight_params = cfg.num_layers * params_per_layer + cfg.vocab_size * hidden  # + lm_head
+    weight_bytes = weight_params * torch.finfo(dtype).bits // 8
+
+    print(f"torch threads {torch.get_num_threads()}, {args.dtype}")
+    print(f"memory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s")
+    print(f"decode-step weights: {weight_params / 1e6:.1f} M parameters = {weight_bytes / 1e6:.0f} MB")
+    for batch in (1, 8, 32, 256):
+        weights = [torch.randn(o, i, dtype=dtype) for o, i in shapes] + [torch.randn(cfg.vocab_size, hidden, dtype=dtype)]
+        x = {i: torch.randn(batch, i, dtype=dtype) for i in {hidden, inter}}
+
+        def step():
+            for w in weights[:-1]:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+        layer_s = _median_seconds(step)
+        head_s = _median_seconds(lambda: torch.nn.functional.linear(x[hidden], weights[-1]))
+        step_s = cfg.num_layers * layer_s + head_s
+        flops = 2 * batch * weight_params
+        floor_bw = weight_bytes / bandwidth
+        print(f"batch {batch:>3}: matmuls of one decode step {step_s * 1e3:7.1f} ms "
+              f"({flops / step_s / 1e9:6.1f} GFLOP/s) -> at most {batch / step_s:7.0f} tok/s; "
+              f"bandwidth floor {floor_bw * 1e3:.1f} ms -> {batch / floor_bw:7.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
