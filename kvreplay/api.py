@@ -1,6 +1,7 @@
 """The Python API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
 from __future__ import annotations
 
+import os
 from typing import Iterable, Sequence as Seq
 
 from kvreplay.config import EngineConfig
@@ -41,11 +42,14 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, on_step=None):
+                 use_tqdm: bool = False, on_step=None,
+                 protected_tokens: int | Seq[int] | None = None):
         """Generate for one prompt (returns one RequestOutput) or a list (returns a list, in order).
 
         A prompt is a string or a list of token ids. `on_step`, if given, is called after each
-        engine step (tests use it to check integrity)."""
+        engine step (tests use it to check integrity). `protected_tokens` marks the first tokens
+        of each prompt (one int for all, or one per prompt) as a protected zone: pinned, never
+        dropped while the request lives."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
@@ -55,10 +59,16 @@ class LLM:
             param_list = list(params)
         else:
             param_list = [params or SamplingParams()] * len(batch)
+        if protected_tokens is None or isinstance(protected_tokens, int):
+            protected = [protected_tokens or 0] * len(batch)
+        else:
+            protected = list(protected_tokens)
+            if len(protected) != len(batch):
+                raise ValueError(f"{len(protected)} protected_tokens for {len(batch)} prompts")
         ids = []
         try:
-            for prompt, param in zip(batch, param_list):
-                ids.append(self.engine.add_request(prompt, param))
+            for prompt, param, span in zip(batch, param_list, protected):
+                ids.append(self.engine.add_request(prompt, param, protected_tokens=span))
         except Exception:
             for request_id in ids:  # nothing half-queued survives a bad prompt in the batch
                 self.engine.abort_request(request_id)
@@ -69,13 +79,42 @@ class LLM:
 
     def chat(self, conversations: list[Message] | Seq[list[Message]],
              params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
-             on_step=None):
-        """Apply the model's chat template to each conversation, then generate."""
+             on_step=None, protect_system: bool = True):
+        """Apply the model's chat template to each conversation, then generate. The system
+        message span (`system_span_tokens`) is a protected zone unless `protect_system=False`."""
         single = bool(conversations) and isinstance(conversations[0], dict)
         batch = [conversations] if single else list(conversations)
         prompts = [self.chat_prompt_ids(conv) for conv in batch]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, on_step=on_step)
+        protected = [self.system_span_tokens(conv) if protect_system else 0 for conv in batch]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, on_step=on_step,
+                                protected_tokens=protected)
         return outputs[0] if single else outputs
+
+    def system_span_tokens(self, conversation: list[Message]) -> int:
+        """Tokens of the chat prompt that belong to the system part, found from the template's
+        rendering and the tokenizer's character offsets. Explicit system messages end where the
+        template's rendering of them alone ends; a system prompt the template inserts by itself
+        ends where the line holding the first message's content begins (its header included)."""
+        tokenizer = self.tokenizer
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        end = 0
+        num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"),
+                          len(conversation))
+        if num_system:
+            head = tokenizer.apply_chat_template(conversation[:num_system], tokenize=False)
+            end = len(head) if text.startswith(head) else 0
+        elif conversation:
+            probes = [tokenizer.apply_chat_template(
+                [{**conversation[0], "content": probe}] + conversation[1:], tokenize=False,
+                add_generation_prompt=True) for probe in ("\x01", "\x02")]
+            common = len(os.path.commonprefix(probes))
+            end = text.rfind("\n", 0, max(common - 1, 0)) + 1
+        if not end:
+            return 0
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(encoded.input_ids) != self.chat_prompt_ids(conversation):
+            return 0  # the template's ids are not a plain tokenization of its text
+        return sum(1 for _, stop in encoded.offset_mapping if stop <= end)
 
     def chat_prompt_ids(self, conversation: list[Message]) -> list[int]:
         if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)

@@ -35,6 +35,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + output tokens at most (default: the model's context)")
     group.add_argument("--policy", default="full", help="KV policy preset (default: %(default)s)")
+    group.add_argument("--sink-tokens", type=int, default=4,
+                       help="first tokens of each sequence kept through a pause (default: %(default)s)")
+    group.add_argument("--watermarks", default="0.6,0.7,0.85",
+                       help="low,admit,high fractions of the KV pool: reclaim from high down to "
+                            "low, admit while under admit (default: %(default)s)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="do not reuse the K/V of shared prompt prefixes")
+    group.add_argument("--pause-mode", default="protected", choices=["protected", "recompute"],
+                       help="what a paused sequence keeps: its protected span and sinks, or "
+                            "nothing (vLLM-style recompute) (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -43,7 +53,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        policy=args.policy)
+                        policy=args.policy, sink_tokens=args.sink_tokens,
+                        watermarks=args.watermarks, enable_prefix_caching=args.enable_prefix_caching,
+                        pause_mode=args.pause_mode)
 
 
 def build_parser() -> argparse.ArgumentParser:

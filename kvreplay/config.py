@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvreplay.kv.policy import PAUSE_MODES, Watermarks
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -54,6 +56,13 @@ class EngineConfig:
         max_num_seqs: sequences in the running batch at most.
         max_model_len: longest prompt + output; defaults to the model's context.
         policy: KV policy preset; "full" keeps every block hot.
+        sink_tokens: first tokens of every sequence kept through a pause (StreamingLLM sinks).
+        watermarks: (low, admit, high) fractions of the pool, or "0.6,0.7,0.85": reclaim
+            starts above high and stops under low; new work is admitted while usage after
+            admitting it stays under admit.
+        enable_prefix_caching: reuse the K/V of full blocks whose whole prefix matches.
+        pause_mode: "protected" keeps a paused sequence's protected span and sinks;
+            "recompute" drops all of it (vLLM's recompute preemption).
     """
     model: str | None = None
     dtype: str | torch.dtype = "bfloat16"
@@ -65,6 +74,10 @@ class EngineConfig:
     max_model_len: int | None = None
     policy: str = "full"
     seed: int = 0
+    sink_tokens: int = 4
+    watermarks: tuple[float, float, float] | str | Watermarks = (0.60, 0.70, 0.85)
+    enable_prefix_caching: bool = True
+    pause_mode: str = "protected"
 
     def __post_init__(self):
         self.torch_dtype = parse_dtype(self.dtype)
@@ -75,6 +88,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        self.watermark_levels = Watermarks.parse(self.watermarks)
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause_mode {self.pause_mode!r}; use one of {', '.join(PAUSE_MODES)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.policy != "full":
             raise ValueError(f"unknown policy {self.policy!r}; available: full")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

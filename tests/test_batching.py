@@ -46,16 +46,17 @@ def test_chunked_prefill_equals_unchunked(llm32, prompts, alone):
 
 
 def test_preemption_under_a_tiny_pool_is_exact(llm32, real_text):
-    # 96 blocks x 16 = 1,536 tokens. Four ~350-token prompts are admitted together, then their
-    # decodes outgrow the pool: the newest are preempted and later recomputed from scratch.
+    # 96 blocks x 16 = 1,536 tokens. Four ~350-token prompts are admitted together (admit=1.0),
+    # then their decodes outgrow the pool: sequences pause and are later replayed exactly.
     ids = llm32.tokenizer(real_text[30000:60000]).input_ids
     prompts = [ids[i * 400:i * 400 + 340 + 7 * i] for i in range(4)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     expected = [llm32.generate(p, params).token_ids for p in prompts]
-    tiny = LLM(dtype="float32", kv_cache_memory=96 * 16 * 46080, max_num_batched_tokens=512)
+    tiny = LLM(dtype="float32", kv_cache_memory=96 * 16 * 46080, max_num_batched_tokens=512,
+               watermarks=(0.9, 1.0, 1.0))
     assert tiny.engine.kv.num_blocks == 96
     outs = tiny.generate(prompts, params, on_step=_check)
-    assert tiny.engine.counters.preemptions > 0
-    assert sum(o.stats.preemptions for o in outs) == tiny.engine.counters.preemptions
+    assert tiny.engine.counters.pauses > 0
+    assert sum(o.stats.pauses for o in outs) == tiny.engine.counters.pauses
     assert [o.token_ids for o in outs] == expected
     assert tiny.engine.kv.num_free_blocks == 96

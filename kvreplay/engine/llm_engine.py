@@ -35,7 +35,8 @@ class EngineCounters:
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0   # pauses that kept nothing
+    pauses: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
 
@@ -64,8 +65,11 @@ class LLMEngine:
                 f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
         cfg = self.model_config
         self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
-                            cfg.head_dim, config.torch_dtype, config.device)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+                            cfg.head_dim, config.torch_dtype, config.device,
+                            enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.watermark_levels, config.pause_mode,
+                                   block_bytes=self.kv_bytes_per_token * config.block_size)
         self.runner = ModelRunner(self.model, self.kv)
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
@@ -92,8 +96,12 @@ class LLMEngine:
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
-        """Queue a prompt. Raises ValueError/TypeError for input the engine cannot serve."""
+                    request_id: str | None = None, stream: bool = False,
+                    protected_tokens: int = 0) -> str:
+        """Queue a prompt. Raises ValueError/TypeError for input the engine cannot serve.
+
+        `protected_tokens`: the first tokens of the prompt (e.g. the system message) are a
+        protected zone: pinned, kept through a pause; so are the first `sink_tokens`."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -114,6 +122,17 @@ class LLMEngine:
                 f"kv_cache_memory={self.config.kv_cache_memory!r} holds {capacity:,} tokens; this "
                 f"request needs up to {num_prompt + max_tokens:,} (prompt {num_prompt:,} + max_tokens "
                 f"{max_tokens:,}): raise kv_cache_memory or lower max_tokens")
+        if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) \
+                or protected_tokens < 0:
+            raise ValueError(f"protected_tokens must be an integer >= 0, got {protected_tokens!r}")
+        if protected_tokens > num_prompt:
+            raise ValueError(f"protected_tokens={protected_tokens:,} is longer than the prompt "
+                             f"({num_prompt:,} tokens): protect a prefix of the prompt")
+        if protected_tokens > capacity:
+            raise ValueError(
+                f"the protected span has {protected_tokens:,} tokens but kv_cache_memory="
+                f"{self.config.kv_cache_memory!r} holds {capacity:,}: raise kv_cache_memory or "
+                f"protect less")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -127,8 +146,11 @@ class LLMEngine:
                 generator = torch.Generator().manual_seed(seed)
             seq = Sequence(request_id, token_ids, params, self.eos_token_ids, generator, branch)
             seq.max_tokens = max_tokens
+            seq.pinned_tokens = min(num_prompt, max(protected_tokens, self.config.sink_tokens))
             seqs.append(seq)
-            self.scheduler.add(seq)
+        # Branches wait for the first one's prefill, then share its blocks (copy on write).
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
         self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
                                              token_ids, seqs, stream)
         self.counters.prompt_tokens += num_prompt
@@ -143,6 +165,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 self._finish(seq, "abort")
+            seq.forks = []
         self.counters.requests_aborted += 1
         return self._output(request)
 
@@ -161,16 +184,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns an output for each request that made progress."""
         batch = self.scheduler.schedule()
-        self.counters.preemptions += len(batch.preempted)
+        self.counters.pauses += len(batch.paused)
+        self.counters.preemptions += sum(1 for seq in batch.paused if seq.num_computed_tokens == 0)
         if not batch:
-            assert not self.scheduler.running or batch.preempted, "running work but nothing scheduled"
+            assert not self.scheduler.running or batch.paused, "running work but nothing scheduled"
             return []
         self.counters.steps += 1
         logits, sampled = self.runner.run(batch)
         for seq, chunk in batch.prefills:
+            start = seq.num_computed_tokens
+            seq.stats.replayed_tokens += max(0, min(start + chunk, seq.replay_end) - start)
             seq.num_computed_tokens += chunk
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if any(seq.forks for seq in sampled):
+            logits, sampled = self._fork(logits, sampled)
         touched: dict[str, _Request] = {}
         if sampled:
             params = [seq.params for seq in sampled]
@@ -198,6 +228,20 @@ class LLMEngine:
             if done or request.stream:
                 outputs.append(self._output(request))
         return outputs
+
+    def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Start the waiting branches of each sequence that just finished its prompt: they share
+        its blocks and sample their first token from its logits row with their own generator."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampled):
+            rows.append(row)
+            seqs.append(seq)
+            for child in seq.forks:
+                self.scheduler.fork(seq, child)
+                rows.append(row)
+                seqs.append(child)
+            seq.forks = []
+        return logits[torch.tensor(rows, device=logits.device)], seqs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)

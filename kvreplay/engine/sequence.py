@@ -32,7 +32,7 @@ class RequestStats:
     approx_tokens: int = 0
     pauses: int = 0
     replay_mismatches: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # pauses that kept nothing (vLLM-style recompute)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +60,10 @@ class Sequence:
         self.text = ""        # detokenized output (stop strings trimmed once finished)
         self.stats = RequestStats(prompt_tokens=len(prompt_token_ids))
         self.max_tokens: int = params.max_tokens or 0  # filled in by the engine when None
+        self.pinned_tokens = 0  # head kept through a pause: protected span and sinks
+        self.replay_end = 0     # tokens computed before the last pause; below it, prefill is replay
+        self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
+                                         # its prefill is done
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +83,6 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Known tokens still lacking K/V: the prompt (or everything, after a preemption) while
+        """Known tokens still lacking K/V: the prompt (or the dropped range, after a pause) while
         prefilling, exactly 1 (the newest sampled token) while decoding."""
         return len(self.token_ids) - self.num_computed_tokens

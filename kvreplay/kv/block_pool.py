@@ -1,0 +1,76 @@
+"""Block ids and reference counts, with two free lists.
+
+A free block (ref count 0) is either *empty* (no reusable content) or *cached* (it still holds a
+prefix-cache entry). New content takes empty blocks first and evicts cached ones last, least
+recently released first, so a cached prefix survives as long as the pool has room for it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from kvreplay.kv.prefix_cache import PrefixCache
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        assert num_blocks > 0, "a pool needs at least one block"
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.cache = PrefixCache()
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, oldest first
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._empty) + len(self._lru)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._lru)
+
+    def lru_order(self) -> list[int]:
+        """Cached free blocks in the order they would be evicted."""
+        return list(self._lru)
+
+    def take(self) -> int:
+        """A free block for new content, referenced once. The caller checked `num_free`."""
+        if self._empty:
+            block = self._empty.popleft()
+        else:
+            block, _ = self._lru.popitem(last=False)
+            self.cache.forget(block)
+            self.evictions += 1
+        assert self.ref_counts[block] == 0, f"free block {block} has references"
+        self.ref_counts[block] = 1
+        return block
+
+    def acquire(self, block: int) -> None:
+        """One more reference to an existing block (a prefix hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            assert block in self._lru, f"unreferenced block {block} is neither cached nor taken"
+            del self._lru[block]
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} released twice"
+        if self.ref_counts[block] == 0:
+            if self.cache.is_cached(block):
+                self._lru[block] = None  # most recently released: evicted last
+            else:
+                self._empty.append(block)
+
+    def check_integrity(self, block_size: int) -> None:
+        self.cache.check_integrity(block_size)
+        empty = set(self._empty)
+        assert len(empty) == len(self._empty), "duplicate block in the empty list"
+        assert not empty & set(self._lru), "a block is both empty and cached"
+        for block in range(self.num_blocks):
+            free = block in empty or block in self._lru
+            assert free == (self.ref_counts[block] == 0), \
+                f"block {block}: ref count {self.ref_counts[block]} but free={free}"
+            if block in self._lru:
+                assert self.cache.is_cached(block), f"LRU block {block} has no cache entry"
+            if block in empty:
+                assert not self.cache.is_cached(block), f"empty block {block} still has a cache entry"
