@@ -76,7 +76,9 @@ def main(argv=None) -> int:
 
     from kvreplay import LLM
     from kvreplay.models.loader import default_model_path
-    llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB", max_num_batched_tokens=2048)
+    # No prefix caching: repeats send the same prompts, and transformers has nothing alike.
+    llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB", max_num_batched_tokens=2048,
+              enable_prefix_caching=False)
     peer = None
     if not args.no_peer:
         from transformers import AutoModelForCausalLM
