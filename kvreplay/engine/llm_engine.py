@@ -116,23 +116,23 @@ class LLMEngine:
         if num_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt:,} tokens) + max_tokens ({max_tokens:,}) exceeds "
                              f"the context of {self.max_model_len:,} tokens: lower max_tokens")
-        capacity = self.kv.capacity_tokens
-        if num_prompt + max_tokens > capacity:
-            raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory!r} holds {capacity:,} tokens; this "
-                f"request needs up to {num_prompt + max_tokens:,} (prompt {num_prompt:,} + max_tokens "
-                f"{max_tokens:,}): raise kv_cache_memory or lower max_tokens")
         if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) \
                 or protected_tokens < 0:
             raise ValueError(f"protected_tokens must be an integer >= 0, got {protected_tokens!r}")
-        if protected_tokens > num_prompt:
-            raise ValueError(f"protected_tokens={protected_tokens:,} is longer than the prompt "
-                             f"({num_prompt:,} tokens): protect a prefix of the prompt")
+        capacity = self.kv.capacity_tokens
         if protected_tokens > capacity:
             raise ValueError(
                 f"the protected span has {protected_tokens:,} tokens but kv_cache_memory="
                 f"{self.config.kv_cache_memory!r} holds {capacity:,}: raise kv_cache_memory or "
                 f"protect less")
+        if num_prompt + max_tokens > capacity:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory!r} holds {capacity:,} tokens; this "
+                f"request needs up to {num_prompt + max_tokens:,} (prompt {num_prompt:,} + max_tokens "
+                f"{max_tokens:,}): raise kv_cache_memory or lower max_tokens")
+        if protected_tokens > num_prompt:
+            raise ValueError(f"protected_tokens={protected_tokens:,} is longer than the prompt "
+                             f"({num_prompt:,} tokens): protect a prefix of the prompt")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

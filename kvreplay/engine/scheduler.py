@@ -111,13 +111,17 @@ class Scheduler:
 
         # 3. Admission (resumes first: paused sequences sit at the front of the queue).
         admit_blocks = self.watermarks.admit * self.kv.num_blocks
+        # Running prompts still to prefill are committed already: project them in.
+        committed = self.kv.num_used_blocks + sum(
+            self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens)
+            for seq in self.running if seq.num_uncomputed_tokens > 1)
         while self.waiting and budget > 0 and not batch.paused \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq.seq_id, seq.token_ids)
             projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
             if self.running:
-                if self.kv.num_used_blocks + projected > admit_blocks:
+                if committed + projected > admit_blocks:
                     break
             elif projected > self.kv.num_free_blocks:
                 # Alone it must fit whatever the watermarks say; make room from paused pins.
@@ -133,6 +137,7 @@ class Scheduler:
                 seq.stats.replays += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            committed += projected
             chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             if chunk:
                 batch.prefills.append((seq, chunk))
