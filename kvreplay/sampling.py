@@ -23,7 +23,8 @@ class SamplingParams:
         n: completions per prompt.
         logprobs: return this many top log-probabilities per generated token (plus the chosen one).
         ignore_eos: keep generating past EOS.
-        beam_width: beam search width (1: off).
+        beam_width: beam search width (1: off). Beam search is deterministic (temperature,
+            top_p, top_k and seed do not apply) and matches transformers' `num_beams`.
     """
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -55,8 +56,9 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
         _check_int("beam_width", self.beam_width, minimum=1)
-        if self.beam_width > 1:
-            raise ValueError("beam search is not available yet (beam_width must be 1)")
+        if self.beam_width > 1 and (self.n > 1 or self.stop or self.logprobs is not None):
+            raise ValueError("beam search (beam_width > 1) returns one best sequence: use it with "
+                             "n=1 and without stop strings or logprobs")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

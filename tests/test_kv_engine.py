@@ -128,3 +128,21 @@ def test_protected_span_errors(llm32):
 def test_bad_kv_knobs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("prompt_slice", [slice(90000, 92000), slice(3000, 5000)])
+def test_beam_search_matches_transformers_num_beams(llm32, hf_reference, real_text, prompt_slice):
+    import torch
+    ids = llm32.tokenizer(real_text[prompt_slice]).input_ids[:120]
+    kv = llm32.engine.kv
+    assert kv.num_used_blocks == 0
+    kv.peak_used_blocks = 0
+    out = llm32.generate(ids, SamplingParams(max_tokens=12, beam_width=4), on_step=_check)
+    with torch.no_grad():
+        expected = hf_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=12, num_beams=4, do_sample=False,
+                                         pad_token_id=2)[0, len(ids):].tolist()
+    assert out.token_ids == expected
+    assert len(out.outputs) == 1 and out.finish_reason in ("length", "stop")
+    one_beam = -(-(len(ids) + 12) // 16)  # 9 blocks; the beams share the prompt's 7
+    assert kv.peak_used_blocks <= 2 * one_beam  # 4 unshared beams would take 4x (measured: 14-15)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreplay.config import EngineConfig
+from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.model_runner import ModelRunner
 from kvreplay.engine.scheduler import Scheduler
@@ -150,6 +151,8 @@ class LLMEngine:
             seqs.append(seq)
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
+        if params.beam_width > 1:
+            seqs[0].beam = BeamGroup(params.beam_width, max_tokens, seqs[0].stop_ids, live=[seqs[0]])
         self.scheduler.add(seqs[0])
         self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
                                              token_ids, seqs, stream)
@@ -202,6 +205,8 @@ class LLMEngine:
         if any(seq.forks for seq in sampled):
             logits, sampled = self._fork(logits, sampled)
         touched: dict[str, _Request] = {}
+        if any(seq.beam for seq in sampled):
+            logits, sampled = step_beams(self, logits, sampled, touched)
         if sampled:
             params = [seq.params for seq in sampled]
             tokens = sample(logits, params, [seq.generator for seq in sampled])

@@ -64,6 +64,7 @@ class Sequence:
         self.replay_end = 0     # tokens computed before the last pause; below it, prefill is replay
         self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
                                          # its prefill is done
+        self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
 
     @property
     def num_tokens(self) -> int:
