@@ -9,18 +9,17 @@ import torch
 
 from kvreplay.bench.quality import QualitySpec, retrieval_cases, run_fidelity, run_retrieval
 from kvreplay.bench.scoring import FullAttentionScorer, compare_continuation
-from kvreplay.bench.workload import corpus_token_ids
+from bench_helpers import shared_corpus, shared_llm
 
 
 @pytest.fixture(scope="module")
 def small_llm():
-    from kvreplay import LLM
-    return LLM(dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    return shared_llm()
 
 
 @pytest.fixture(scope="module")
 def corpus(small_llm):
-    return corpus_token_ids(small_llm.tokenizer)
+    return list(shared_corpus())
 
 
 def test_compare_continuation_arithmetic():
@@ -41,47 +40,46 @@ def test_compare_continuation_arithmetic():
 
 def test_scorer_matches_the_engine_and_is_chunk_invariant(small_llm, corpus):
     from kvreplay import SamplingParams
-    ids = corpus[:120]
+    ids = corpus[:64]
     out = small_llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, logprobs=5))
-    (token, logprob), = [(t, lp) for t, lp in out.logprobs[0].items() if t == out.token_ids[0]]
-    scorer = FullAttentionScorer(small_llm.engine.model, chunk_tokens=48)
-    ours = scorer.logprobs_at(ids, [119])[0]
-    assert int(ours.argmax()) == token and ours[token].item() == pytest.approx(logprob, abs=1e-4)
+    token = out.token_ids[0]
+    chunked = FullAttentionScorer(small_llm.engine.model, chunk_tokens=40)
+    logprobs = chunked.logprobs_at(ids, list(range(64)))           # every position, in 2 chunks
+    assert int(logprobs[63].argmax()) == token                      # what follows the whole prompt
+    assert logprobs[63, token].item() == pytest.approx(out.logprobs[0][token], abs=1e-4)
     whole = FullAttentionScorer(small_llm.engine.model, chunk_tokens=512)
-    assert scorer.perplexity(ids) == pytest.approx(whole.perplexity(ids), rel=1e-5)
-    logits = whole.logprobs_at(ids, list(range(119)))
-    nll = -logits.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    nll = -logprobs[:63].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
     assert whole.perplexity(ids) == pytest.approx(math.exp(nll), rel=1e-5)
 
 
 def test_full_against_full_attention_agrees_exactly(small_llm, corpus):
-    spec = QualitySpec(fidelity_prompts=2, fidelity_context=96, fidelity_tokens=6)
+    spec = QualitySpec(fidelity_prompts=2, fidelity_context=64, fidelity_tokens=5)
     result = run_fidelity(small_llm, FullAttentionScorer(small_llm.engine.model), corpus, spec, False)
-    assert result["top1_agreement"] == 1.0 and result["matching_prefix"] == 6
+    assert result["top1_agreement"] == 1.0 and result["matching_prefix"] == 5
     assert result["kl"] < 1e-6
     small_llm.engine.check_integrity()
 
 
 def test_retrieval_cases_and_scoring(small_llm, corpus):
-    spec = QualitySpec(lengths=(128,), depths=(0.0, 0.5, 1.0), cases=1)
+    spec = QualitySpec(lengths=(96,), depths=(0.0, 1.0), cases=1)
     cases = retrieval_cases(small_llm.tokenizer, corpus, spec)
-    assert [c.depth for c in cases] == [0.0, 0.5, 1.0]
+    assert [c.depth for c in cases] == [0.0, 1.0]
     for case in cases:
-        assert len(case.prompt_token_ids) == 128 and len(case.answer) == 5
+        assert len(case.prompt_token_ids) == 96 and len(case.answer) == 5
         text = small_llm.tokenizer.decode(case.prompt_token_ids)
         assert f"is {case.answer}." in text and text.endswith("is")
     assert text.index(case.answer) > text.index("Question") - 40     # depth 1.0: just before it
     result = run_retrieval(small_llm, cases, progress=False)
-    assert result["num_cases"] == 3 and result["num_refused"] == 0
+    assert result["num_cases"] == 2 and result["num_refused"] == 0
     assert result["accuracy"] == 1.0, result["cases"]                   # full attention finds it
 
 
 def test_cli_smoke_with_a_refusing_budget(tmp_path, capsys):
     from kvreplay.cli import main
     out = tmp_path / "quality.json"
-    # 7MiB in fp32 holds 9 blocks = 144 tokens: the 128-token case fits (+8 answer tokens), 256 does not
-    assert main(["bench", "quality", "--lengths", "128,256", "--depths", "0.5", "--fidelity-prompts", "1",
-                 "--fidelity-context", "64", "--fidelity-tokens", "3", "--ppl-tokens", "100",
+    # 7MiB in fp32 holds 9 blocks = 144 tokens: the 96-token case fits (+8 answer tokens), 256 does not
+    assert main(["bench", "quality", "--lengths", "96,256", "--depths", "0.5", "--fidelity-prompts", "1",
+                 "--fidelity-context", "32", "--fidelity-tokens", "2", "--ppl-tokens", "64",
                  "--budgets", "7MiB", "--dtype", "float32", "--no-progress", "--json", str(out)]) == 0
     assert "| full | 7MiB |" in capsys.readouterr().out
     run = json.loads(out.read_text())["runs"][0]

@@ -11,8 +11,8 @@ import pytest
 
 from kvreplay.bench.metrics import RequestRecord, compute_metrics, summarize
 from kvreplay.bench.serve import run_against_url, run_in_process
-from kvreplay.bench.workload import (WorkloadSpec, arrival_times, corpus_token_ids, make_workload,
-                                     sample_buckets_and_lengths)
+from kvreplay.bench.workload import WorkloadSpec, arrival_times, make_workload, sample_buckets_and_lengths
+from bench_helpers import shared_corpus, shared_llm
 
 
 # ---------------------------------------------------------------- workload
@@ -96,24 +96,24 @@ def test_metric_formulas_on_synthetic_timestamps():
 
 @pytest.fixture(scope="module")
 def small_llm():
-    from kvreplay import LLM
-    return LLM(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=256)  # 11 blocks
+    return shared_llm()
 
 
 def test_in_process_smoke_under_a_tiny_budget(small_llm):
     engine = small_llm.engine
-    corpus = corpus_token_ids(small_llm.tokenizer)
-    spec = WorkloadSpec(num_requests=5, request_rate=50.0, seed=1, length_scale=0.02, output_tokens=4,
+    corpus = list(shared_corpus())
+    # 9 requests of up to 153 + 4 tokens on a 720-token pool: they queue, and some are preempted
+    spec = WorkloadSpec(num_requests=9, request_rate=50.0, seed=1, length_scale=0.02, output_tokens=4,
                         num_warmup=1)
     warmup, timed = make_workload(spec, corpus, engine.max_model_len)
     run = run_in_process(engine, timed, warmup, label="full", progress=False,
                          on_step=lambda e: e.check_integrity())
     m = run.metrics
-    assert m["num_completed"] == 5 and m["output_tokens"] == 20
+    assert m["num_completed"] == 9 and m["output_tokens"] == 36
     assert all(r.num_output_tokens == 4 and r.ttft_s > 0 for r in run.records)
     assert run.kv["peak_bytes"]["hot"] > 0
     assert run.kv["peak_bytes"]["hot"] <= run.kv["capacity_bytes"]
-    assert run.engine["generation_tokens"] == 20
+    assert run.engine["generation_tokens"] == 36
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
 

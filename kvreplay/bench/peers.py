@@ -19,6 +19,24 @@ from kvreplay.bench.metrics import RequestRecord, compute_metrics
 from kvreplay.bench.workload import BenchRequest
 
 
+def _one_at_a_time(generate, timed: list[BenchRequest], warmup: list[BenchRequest], progress: bool,
+                   note: str) -> dict:
+    """Serve requests in arrival order, one at a time; `generate(request, record, start)` stamps
+    each token into `record` (None while warming up)."""
+    from tqdm import tqdm
+    for request in warmup:
+        generate(request, None, time.perf_counter())
+    records = [RequestRecord(r.index, r.arrival_s, r.num_prompt_tokens) for r in timed]
+    start = time.perf_counter()
+    for request, record in tqdm(list(zip(timed, records)), desc="peer", unit="req",
+                                disable=not progress, leave=False):
+        time.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
+        generate(request, record, start)
+    metrics = compute_metrics(records)
+    return {"output_token_throughput": metrics["output_token_throughput"],
+            "e2e_mean_ms": metrics["e2e_ms"]["mean"], "metrics": metrics, "note": note}
+
+
 def _hf_model(config):
     import torch
     from transformers import AutoModelForCausalLM
@@ -34,7 +52,6 @@ def _hf_model(config):
 
 
 def _transformers(config, timed: list[BenchRequest], warmup: list[BenchRequest], progress: bool) -> dict:
-    from tqdm import tqdm
     from transformers.generation.streamers import BaseStreamer
     model, torch = _hf_model(config)
 
@@ -58,18 +75,7 @@ def _transformers(config, timed: list[BenchRequest], warmup: list[BenchRequest],
                            min_new_tokens=request.max_tokens, do_sample=False, pad_token_id=0,
                            streamer=Stamps(record, start))
 
-    for request in warmup:
-        generate(request, None, time.perf_counter())
-    records = [RequestRecord(r.index, r.arrival_s, r.num_prompt_tokens) for r in timed]
-    start = time.perf_counter()
-    for request, record in tqdm(list(zip(timed, records)), desc="peer transformers", unit="req",
-                                disable=not progress, leave=False):
-        time.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
-        generate(request, record, start)
-    metrics = compute_metrics(records)
-    return {"output_token_throughput": metrics["output_token_throughput"],
-            "e2e_mean_ms": metrics["e2e_ms"]["mean"], "metrics": metrics,
-            "note": "generate, one request at a time"}
+    return _one_at_a_time(generate, timed, warmup, progress, "generate, one request at a time")
 
 
 def _transformers_batch(config, timed, warmup, progress) -> dict:
@@ -104,16 +110,7 @@ def _llama_cpp(config, timed, warmup, progress) -> dict:
             if record is not None:
                 record.token_times_s.append(time.perf_counter() - start)
 
-    for request in warmup:
-        generate(request, None, time.perf_counter())
-    records = [RequestRecord(r.index, r.arrival_s, r.num_prompt_tokens) for r in timed]
-    start = time.perf_counter()
-    for request, record in zip(timed, records):
-        time.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
-        generate(request, record, start)
-    metrics = compute_metrics(records)
-    return {"output_token_throughput": metrics["output_token_throughput"],
-            "e2e_mean_ms": metrics["e2e_ms"]["mean"], "metrics": metrics, "note": "one request at a time"}
+    return _one_at_a_time(generate, timed, warmup, progress, "one request at a time")
 
 
 PEERS = {"transformers": _transformers, "transformers-batch": _transformers_batch, "llama-cpp": _llama_cpp}

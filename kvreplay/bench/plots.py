@@ -19,21 +19,28 @@ def _pyplot():
     return plt
 
 
-def _caption(fig, result: dict) -> None:
-    env = result.get("environment", {})
-    if env.get("command"):
-        fig.text(0.01, 0.005, env["command"], fontsize=6, family="monospace", alpha=0.7)
+def _caption(fig, results: list[dict]) -> int:
+    """The commands that made the figure, at its foot; returns the number of lines."""
+    import textwrap
+    commands = [r.get("environment", {}).get("command") for r in results]
+    text = "\n".join(textwrap.fill(c, 190) for c in commands if c)
+    if text:
+        fig.text(0.01, 0.005, text, fontsize=5.5, family="monospace", alpha=0.7)
+    return text.count("\n") + 1 if text else 0
 
 
-def throughput_vs_budget(result: dict, path: str) -> None:
-    """`result`: a `bench serve` result with runs over several budgets."""
+def throughput_vs_budget(results: list[dict], path: str) -> None:
+    """`results`: `bench serve` results with runs over several budgets; several results (repeats)
+    become separate lines."""
     plt = _pyplot()
     by_policy = defaultdict(list)
-    for run in result["runs"]:
-        m = run["metrics"]
-        by_policy[run.get("policy", run["label"])].append(
-            (run["kv"]["capacity_bytes"] / 2**20, m["output_token_throughput"] or 0.0,
-             (m["ttft_ms"]["p50"] or 0.0) / 1000, m["counters"]["pauses"] + m["counters"]["preemptions"]))
+    for number, result in enumerate(results, 1):
+        for run in result["runs"]:
+            m = run["metrics"]
+            name = run.get("policy", run["label"]) + (f" (run {number})" if len(results) > 1 else "")
+            by_policy[name].append(
+                (run["kv"]["capacity_bytes"] / 2**20, m["output_token_throughput"] or 0.0,
+                 (m["ttft_ms"]["p50"] or 0.0) / 1000, m["counters"]["pauses"] + m["counters"]["preemptions"]))
     fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(10, 4))
     for policy, points in sorted(by_policy.items()):
         points.sort()
@@ -42,9 +49,9 @@ def throughput_vs_budget(result: dict, path: str) -> None:
         ax_ttft.plot(budgets, [p[2] for p in points], marker="o", label=policy)
         for budget, tput, _, pauses in points:
             if pauses:
-                ax_tput.annotate(f"{pauses} pauses", (budget, tput), fontsize=7,
+                ax_tput.annotate(f"{pauses} paused", (budget, tput), fontsize=7,
                                  textcoords="offset points", xytext=(4, -10))
-    workload = result.get("workload", {})
+    workload = results[0].get("workload", {})
     title = (f"{workload.get('num_requests')} requests, length scale {workload.get('length_scale')}, "
              f"{workload.get('output_tokens')} output tokens, rate {workload.get('request_rate')}/s")
     for ax, label in ((ax_tput, "output tokens / s"), (ax_ttft, "TTFT p50 (s)")):
@@ -54,8 +61,8 @@ def throughput_vs_budget(result: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"Throughput against KV budget ({title})", fontsize=9)
-    _caption(fig, result)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    lines = _caption(fig, results)
+    fig.tight_layout(rect=(0, 0.02 + 0.02 * lines, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -89,7 +96,7 @@ def memory_vs_quality(result: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Memory against quality (refused requests count as wrong)", fontsize=9)
-    _caption(fig, result)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    lines = _caption(fig, [result])
+    fig.tight_layout(rect=(0, 0.02 + 0.02 * lines, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -94,7 +94,7 @@ def quality_markdown(result: dict) -> str:
         rows.append([run["policy"], run["budget"], ratios,
                      f"{r['accuracy']:.2f} ({r['num_cases']} cases, {r['num_refused']} refused)" if r else "-",
                      _num(f["top1_agreement"], 3) if f else "-", _num(f["matching_prefix"]) if f else "-",
-                     _num(f["kl"], 4) if f else "-",
+                     f"{f['kl']:.1e}" if f and f["kl"] is not None else "-",
                      (_num(p["perplexity"], 2) + f" ({p['tokens']} tok)") if p and p["perplexity"] else
                      (p["method"] if p else "-")])
     text = table(["policy", "budget", "budget / full KV (by length)", "retrieval acc",

@@ -63,7 +63,9 @@ def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], u
             gc.collect()
     if peers:
         from kvreplay.bench import peers as peer_module
-        ours = result["runs"][0]["metrics"]["output_token_throughput"]
+        # against the first policy at its largest budget: the peers have no KV budget
+        first = [r for r in result["runs"] if r.get("policy", r["label"]) == policies[0]] or result["runs"]
+        ours = max(first, key=lambda r: r["kv"].get("capacity_bytes", 0))["metrics"]["output_token_throughput"]
         for name in peers:
             result["peers"].append(peer_module.run_serve_peer(name, config, timed, warmup, ours, progress))
     return result

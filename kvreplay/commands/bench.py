@@ -90,7 +90,7 @@ def register(subparsers) -> None:
     plot = commands.add_parser("plot", help="PNG figures from bench JSON results (needs matplotlib)",
                                description="Throughput against budget from a `bench serve --budgets` "
                                            "result; memory against quality from a `bench quality` result.")
-    plot.add_argument("--serve", default=None, help="a bench serve JSON result")
+    plot.add_argument("--serve", default=None, help="bench serve JSON results, comma-separated (repeats)")
     plot.add_argument("--quality", default=None, help="a bench quality JSON result")
     plot.add_argument("--out", default=".", help="folder for the PNGs (default: %(default)s)")
     plot.set_defaults(func=run_plot)
@@ -143,10 +143,16 @@ def run_plot(args) -> int:
     if not (args.serve or args.quality):
         raise ValueError("give --serve and/or --quality result files")
     os.makedirs(args.out, exist_ok=True)
-    for source, draw, name in ((args.serve, plots.throughput_vs_budget, "throughput_vs_budget.png"),
-                               (args.quality, plots.memory_vs_quality, "memory_vs_quality.png")):
-        if source:
-            with open(source) as f:
-                draw(json.load(f), os.path.join(args.out, name))
-            print(os.path.join(args.out, name))
+    def load(path):
+        with open(path) as f:
+            return json.load(f)
+
+    if args.serve:
+        path = os.path.join(args.out, "throughput_vs_budget.png")
+        plots.throughput_vs_budget([load(p) for p in _csv(args.serve)], path)
+        print(path)
+    if args.quality:
+        path = os.path.join(args.out, "memory_vs_quality.png")
+        plots.memory_vs_quality(load(args.quality), path)
+        print(path)
     return 0
