@@ -52,16 +52,18 @@ def main(argv=None) -> int:
     print(f"torch threads {torch.get_num_threads()}, {args.dtype}")
     print(f"memory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s")
     print(f"decode-step weights: {weight_params / 1e6:.1f} M parameters = {weight_bytes / 1e6:.0f} MB")
+    # Every layer gets its own weights, as in the model: they stream from memory, not from cache.
+    layers = [[torch.randn(o, i, dtype=dtype) for o, i in shapes] for _ in range(cfg.num_layers)]
+    head = torch.randn(cfg.vocab_size, hidden, dtype=dtype)
     for batch in (1, 8, 32, 256):
-        weights = [torch.randn(o, i, dtype=dtype) for o, i in shapes] + [torch.randn(cfg.vocab_size, hidden, dtype=dtype)]
         x = {i: torch.randn(batch, i, dtype=dtype) for i in {hidden, inter}}
 
         def step():
-            for w in weights[:-1]:
-                torch.nn.functional.linear(x[w.shape[1]], w)
-        layer_s = _median_seconds(step)
-        head_s = _median_seconds(lambda: torch.nn.functional.linear(x[hidden], weights[-1]))
-        step_s = cfg.num_layers * layer_s + head_s
+            for layer in layers:
+                for w in layer:
+                    torch.nn.functional.linear(x[w.shape[1]], w)
+            torch.nn.functional.linear(x[hidden], head)
+        step_s = _median_seconds(step, repeats=5)
         flops = 2 * batch * weight_params
         floor_bw = weight_bytes / bandwidth
         print(f"batch {batch:>3}: matmuls of one decode step {step_s * 1e3:7.1f} ms "
