@@ -61,6 +61,20 @@ def run_transformers(model, prompts, decode_tokens: int) -> tuple[float, float]:
     return batch.numel() / first, len(prompts) * decode_tokens / max(full - first, 1e-9)
 
 
+def run_llama_cpp(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    """Single stream through llama.cpp (llama-cpp-python) on the same GGUF file."""
+    model.reset()
+    start = time.perf_counter()
+    first_token_at, count = None, 0
+    for _ in model.create_completion(prompt, max_tokens=decode_tokens + 1, temperature=0.0, stream=True,
+                                     logit_bias={model.token_eos(): -1e9}):
+        count += 1
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+    end = time.perf_counter()
+    return len(prompt) / (first_token_at - start), (count - 1) / (end - first_token_at)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32")
@@ -69,6 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also time llama.cpp single-stream (needs llama-cpp-python)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     args = parser.parse_args(argv)
@@ -85,7 +101,13 @@ def main(argv=None) -> int:
         path = default_model_path()
         peer = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                     dtype=getattr(torch, args.dtype)).eval()
+    llama = None
+    if args.llama_cpp:
+        from llama_cpp import Llama
+        llama = Llama(model_path=default_model_path(), n_ctx=args.prompt_tokens + args.decode_tokens + 16,
+                      n_threads=args.threads, n_batch=512, verbose=False)
     rows = []
+    llama_runs: list[tuple[float, float]] = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(llm.tokenizer, batch, args.prompt_tokens)
         ours, theirs = [], []
@@ -94,6 +116,8 @@ def main(argv=None) -> int:
             ours.append(run_kvreplay(llm, prompts, args.decode_tokens))
             if peer is not None:
                 theirs.append(run_transformers(peer, prompts, args.decode_tokens))
+            if llama is not None and batch == 1:
+                llama_runs.append(run_llama_cpp(llama, prompts[0], args.decode_tokens))
         row = {"batch": batch,
                "kvreplay_prefill_tok_s": statistics.median(p for p, _ in ours),
                "kvreplay_decode_tok_s": statistics.median(d for _, d in ours)}
@@ -118,9 +142,20 @@ def main(argv=None) -> int:
             line += (f" {r['transformers_prefill_tok_s']:.0f} | {r['transformers_decode_tok_s']:.1f} |"
                      f" {r['prefill_ratio']:.2f}x | {r['decode_ratio']:.2f}x |")
         print(line)
+    llama_row = None
+    if llama_runs:
+        llama_row = {"llama_cpp_prefill_tok_s": statistics.median(p for p, _ in llama_runs),
+                     "llama_cpp_decode_tok_s": statistics.median(d for _, d in llama_runs)}
+        print(f"\nllama.cpp single stream (same GGUF, Q4_1 weights, {args.threads} threads): prefill "
+              f"{llama_row['llama_cpp_prefill_tok_s']:.0f} tok/s, decode {llama_row['llama_cpp_decode_tok_s']:.1f} tok/s\n")
+        print("| batch | kvreplay decode / llama.cpp single-stream decode |")
+        print("|---|---|")
+        for r in rows:
+            r["decode_vs_llama_cpp"] = r["kvreplay_decode_tok_s"] / llama_row["llama_cpp_decode_tok_s"]
+            print(f"| {r['batch']} | {r['decode_vs_llama_cpp']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "llama_cpp": llama_row}, f, indent=2)
     return 0
 
 
