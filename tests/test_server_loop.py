@@ -29,6 +29,7 @@ class FakeEngine:
         self.counters = EngineCounters()
         self.requests: dict[str, tuple[object, list[int]]] = {}
         self.num_waiting = 0
+        self.protected: dict[str, int] = {}
 
     @property
     def num_running(self):
@@ -37,10 +38,11 @@ class FakeEngine:
     def tokenize(self, prompt):
         return [0, 1, 2] if prompt else []
 
-    def add_request(self, token_ids, params, request_id, stream):
+    def add_request(self, token_ids, params, request_id, stream, protected_tokens=0):
         if not token_ids:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = (params, [])
+        self.protected[request_id] = protected_tokens
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -69,7 +71,8 @@ class FakeEngine:
 
 
 def _client(engine: FakeEngine) -> TestClient:
-    llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c: [0, 1, 2])
+    llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c: [0, 1, 2],
+                          system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0)
     return TestClient(build_app(AsyncEngine(llm), ServerConfig()))
 
 
@@ -93,3 +96,14 @@ def test_a_crashed_engine_answers_503_not_a_hang():
         assert client.get("/health").status_code == 503
         again = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert again.status_code == 503
+
+
+def test_a_chat_system_message_is_passed_as_the_protected_zone():
+    engine = FakeEngine()
+    with _client(engine) as client:
+        for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                         [{"role": "user", "content": "hi"}]):
+            response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert sorted(engine.protected.values()) == [0, 0, 2]

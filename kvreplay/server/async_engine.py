@@ -141,10 +141,12 @@ class AsyncEngine:
             for request_id, prompt in zip(request_ids, prompts):
                 try:
                     token_ids = self.llm.chat_prompt_ids(prompt) if chat else self.engine.tokenize(prompt)
+                    # a chat's system message is a protected zone, as in LLM.chat
+                    protected = self.llm.system_span_tokens(prompt) if chat else 0
                 except jinja2.TemplateError as exc:
                     raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
                 self.engine.add_request(token_ids, self._default_max_tokens(params, len(token_ids)),
-                                        request_id=request_id, stream=stream)
+                                        request_id=request_id, stream=stream, protected_tokens=protected)
                 self._sinks[request_id] = sink
                 added.append(request_id)
         except BaseException:
