@@ -40,7 +40,3 @@ def real_text() -> str:
     """Long real English text: the Python reference docs shipped with CPython."""
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def integrity(engine) -> None:
-    engine.check_integrity()

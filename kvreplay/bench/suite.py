@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import asdict, replace
 
 from kvreplay.bench.report import environment
 from kvreplay.bench.workload import WorkloadSpec, corpus_token_ids, make_workload
 from kvreplay.config import EngineConfig
+from kvreplay.models.loader import load_tokenizer
 
 
 def check_policies(config: EngineConfig, policies: list[str]) -> list[EngineConfig]:
@@ -15,16 +15,6 @@ def check_policies(config: EngineConfig, policies: list[str]) -> list[EngineConf
     if not policies:
         raise ValueError("give at least one policy")
     return [replace(config, policy=p) for p in policies]
-
-
-def load_tokenizer(model: str | None):
-    """The model's tokenizer without its weights (for driving a server)."""
-    from kvreplay.models import loader
-    path = loader.resolve_model_path(model)
-    if os.path.isdir(path):
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    return loader._gguf_tokenizer(path)  # cached on disk by the loader
 
 
 def make_llm(config: EngineConfig):

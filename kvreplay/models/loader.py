@@ -117,12 +117,19 @@ def _load_hf_directory(path: str) -> LoadedModel:
     for file in files:
         for name, tensor in load_file(str(file)).items():
             weights[name] = tensor.float()
+    return LoadedModel(config, weights, load_tokenizer(path), path)
+
+
+def load_tokenizer(model: str | None):
+    """The model's tokenizer without its weights (GGUF ones are cached on disk)."""
+    path = resolve_model_path(model)
+    if not os.path.isdir(path):
+        return _gguf_tokenizer(path)
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises many types here
         raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
-    return LoadedModel(config, weights, tokenizer, path)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -175,7 +182,7 @@ def _load_gguf(path: str) -> LoadedModel:
         elif permuted and tensor.name.endswith("attn_k.weight"):
             array = _unpermute_rotary(array, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(array, copy=True))
-    return LoadedModel(config, weights, _gguf_tokenizer(path), path)
+    return LoadedModel(config, weights, load_tokenizer(path), path)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
