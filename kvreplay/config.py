@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay.kv.policy import PAUSE_MODES, Watermarks
+from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, Watermarks
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -63,6 +63,16 @@ class EngineConfig:
         enable_prefix_caching: reuse the K/V of full blocks whose whole prefix matches.
         pause_mode: "protected" keeps a paused sequence's protected span and sinks;
             "recompute" drops all of it (vLLM's recompute preemption).
+        window_tokens: the recent window every policy keeps hot (window, replay).
+        trim: when `replay` drops middle blocks: "pressure" (only when usage crosses the high
+            watermark, oldest middle blocks first) or "prefill" (right after each prompt's
+            prefill: long pasted documents).
+        replay_threshold: the need detector replays a sequence's dropped ranges when one dropped
+            block would take more than this share of some head's attention (0 = always replay).
+        need_top_blocks: dropped blocks per KV head the detector scores from the key index
+            (the Quest bound picks them).
+        approx_prefill: a prefill chunk of a sequence with dropped ranges attends to what is
+            resident instead of replaying them first.
     """
     model: str | None = None
     dtype: str | torch.dtype = "bfloat16"
@@ -78,6 +88,11 @@ class EngineConfig:
     watermarks: tuple[float, float, float] | str | Watermarks = (0.60, 0.70, 0.85)
     enable_prefix_caching: bool = True
     pause_mode: str = "protected"
+    window_tokens: int = 512
+    trim: str = "pressure"
+    replay_threshold: float = 0.8
+    need_top_blocks: int = 8
+    approx_prefill: bool = False
 
     def __post_init__(self):
         self.torch_dtype = parse_dtype(self.dtype)
@@ -95,8 +110,20 @@ class EngineConfig:
             raise ValueError(f"unknown pause_mode {self.pause_mode!r}; use one of {', '.join(PAUSE_MODES)}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.policy != "full":
-            raise ValueError(f"unknown policy {self.policy!r}; available: full")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
+        self.kv_policy = POLICIES[self.policy]
+        for name in ("window_tokens", "need_top_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.trim not in TRIM_MODES:
+            raise ValueError(f"unknown trim {self.trim!r}; use one of {', '.join(TRIM_MODES)}")
+        if isinstance(self.replay_threshold, bool) or not isinstance(self.replay_threshold, (int, float)) \
+                or not 0 <= self.replay_threshold <= 1:
+            raise ValueError(f"replay_threshold is a share of attention in [0, 1], got {self.replay_threshold!r}")
+        if not isinstance(self.approx_prefill, bool):
+            raise ValueError(f"approx_prefill must be True or False, got {self.approx_prefill!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -11,27 +11,44 @@ chunk's tokens in turn. K/V of every scheduled token are written into the cache 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvreplay.kv.key_index import KeyIndex
 
 
 @dataclass
 class PrefillSlice:
     token_start: int          # first row of this chunk in the flat batch
     token_end: int            # one past its last row
-    context_tokens: int       # tokens attended to after the chunk is written (cached + chunk)
-    block_table: torch.Tensor  # [num_blocks] block ids covering context_tokens
+    context_tokens: int       # key rows gathered from block_table (cached + chunk)
+    block_table: torch.Tensor  # [num_blocks] block ids whose rows are gathered
     mask: torch.Tensor | None  # [chunk, context] bool, None when nothing was cached before it
+
+
+@dataclass
+class NeedProbe:
+    """The need detector's inputs for one decode step, and its running result."""
+    rows: torch.Tensor        # [R] decode rows whose sequences have dropped, indexed blocks
+    slot_table: torch.Tensor  # [R, N] key-index slots of their dropped blocks, padded
+    valid: torch.Tensor       # [R, N] False on padding
+    key_index: "KeyIndex"
+    top_blocks: int
+    layer: int = 0
+    max_mass: torch.Tensor | None = None  # [R] largest block share seen in any layer and head
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [T] cache row of each token
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] resident blocks, padded with block 0
     decode_padding: torch.Tensor | None = None       # [Hkv*B, 1, max_blocks * block_size] True past the context
     prefills: list[PrefillSlice] = field(default_factory=list)
+    probe: NeedProbe | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -83,7 +100,23 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
     scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]
     scores.masked_fill_(meta.decode_padding, float("-inf"))
+    if meta.probe is not None:
+        _probe_dropped(meta.probe, query, scores, num_kv, num_seqs, group)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.bmm(probs, values)                                                # [Hkv*B, G, D]
     return out.view(num_kv, num_seqs, num_q // num_kv, head_dim).transpose(0, 1) \
         .reshape(num_seqs, num_q, head_dim)
+
+
+def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, num_kv: int,
+                   num_seqs: int, group: int) -> None:
+    """Estimate, for this layer, the largest attention share a dropped block would take."""
+    head_dim = query.shape[-1]
+    lse = scores.view(num_kv, num_seqs, group, -1).index_select(1, probe.rows) \
+        .logsumexp(-1).transpose(0, 1)                                            # [R, Hkv, G]
+    rows_query = query.view(num_kv, num_seqs, group, head_dim).index_select(1, probe.rows) \
+        .transpose(0, 1)                                                          # [R, Hkv, G, D]
+    mass = probe.key_index.max_block_mass(probe.layer, rows_query, probe.slot_table, probe.valid,
+                                          lse, probe.top_blocks)
+    probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
+    probe.layer += 1

@@ -40,6 +40,9 @@ class EngineCounters:
     pauses: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    need_checks: int = 0        # decode rows the need detector looked at
+    need_fires: int = 0         # ... and judged to need a replay
+    replay_mismatches: int = 0
 
 
 class LLMEngine:
@@ -70,8 +73,11 @@ class LLMEngine:
                             enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.watermark_levels, config.pause_mode,
-                                   block_bytes=self.kv_bytes_per_token * config.block_size)
-        self.runner = ModelRunner(self.model, self.kv)
+                                   block_bytes=self.kv_bytes_per_token * config.block_size,
+                                   policy=config.kv_policy, window_tokens=config.window_tokens,
+                                   trim=config.trim, approx_prefill=config.approx_prefill)
+        self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
+                                  need_top_blocks=config.need_top_blocks)
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -194,14 +200,31 @@ class LLMEngine:
             return []
         self.counters.steps += 1
         logits, sampled = self.runner.run(batch)
+        prefilled = []
         for seq, chunk in batch.prefills:
             start = seq.num_computed_tokens
             seq.stats.replayed_tokens += max(0, min(start + chunk, seq.replay_end) - start)
+            if self.kv.dropped_blocks(seq.seq_id):
+                seq.stats.approx_tokens += chunk  # attended without its dropped ranges
             seq.num_computed_tokens += chunk
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_uncomputed_tokens == 0:
+                prefilled.append(seq)
+        self._finish_replays(batch)
+        fired = self._need_fired()
         for seq in batch.decodes:
+            if seq in fired:  # computed without a needed range: replay it, then redo this step
+                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+                seq.needs_replay = True
+                continue
+            if self.kv.dropped_blocks(seq.seq_id):
+                seq.stats.approx_tokens += 1
             seq.num_computed_tokens += 1
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if fired:
+            keep = [row for row, seq in enumerate(sampled) if seq not in fired]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            sampled = [sampled[row] for row in keep]
         if any(seq.forks for seq in sampled):
             logits, sampled = self._fork(logits, sampled)
         touched: dict[str, _Request] = {}
@@ -224,6 +247,7 @@ class LLMEngine:
             for row, seq in enumerate(sampled):
                 self._append(seq, int(tokens[row]), logprob_rows.get(row))
                 touched[seq.request_id] = self.requests[seq.request_id]
+        self.scheduler.trim_after_step(prefilled)
         outputs = []
         for request in touched.values():
             done = all(seq.is_finished for seq in request.seqs)
@@ -233,6 +257,31 @@ class LLMEngine:
             if done or request.stream:
                 outputs.append(self._output(request))
         return outputs
+
+    def _finish_replays(self, batch) -> None:
+        """Check each replayed block against its fingerprint; a mismatch means the replay did
+        not reproduce the dropped K/V, so the whole sequence is recomputed."""
+        for chunk in batch.replays:
+            seq = chunk.seq
+            seq.stats.replayed_tokens += chunk.num_tokens
+            mismatches = self.kv.finish_restore(seq.seq_id, chunk.block_indices, seq.token_ids)
+            if mismatches:
+                seq.stats.replay_mismatches += mismatches
+                self.counters.replay_mismatches += mismatches
+                logger.warning("request %s: %d replayed block(s) failed the fingerprint check; "
+                               "recomputing the sequence", seq.request_id, mismatches)
+                self.scheduler.recompute(seq)
+            elif not self.kv.dropped_blocks(seq.seq_id):
+                seq.needs_replay = seq.replaying = False
+
+    def _need_fired(self) -> set[Sequence]:
+        """Sequences whose dropped blocks the need detector judged needed at this step."""
+        threshold = self.config.replay_threshold
+        fired = {seq for seq, mass in zip(self.runner.probed, self.runner.probed_mass)
+                 if mass > threshold or threshold == 0}
+        self.counters.need_checks += len(self.runner.probed)
+        self.counters.need_fires += len(fired)
+        return fired
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Start the waiting branches of each sequence that just finished its prompt: they share

@@ -3,18 +3,26 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.engine.attention import AttentionMetadata, PrefillSlice
+from kvreplay.engine.attention import AttentionMetadata, NeedProbe, PrefillSlice
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import Sequence
+from kvreplay.kv.manager import DROPPED
 from kvreplay.models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVManager):
+    def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
+                 need_top_blocks: int = 8):
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.detect_need = detect_need
+        self.need_top_blocks = need_top_blocks
+        # After each run: the decoding sequences the need detector looked at, and the largest
+        # share of attention any of their dropped blocks would have taken.
+        self.probed: list[Sequence] = []
+        self.probed_mass: list[float] = []
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -31,19 +39,24 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        self.probed, self.probed_mass = [], []
 
         if batch.decodes:
-            tables = [self.kv.block_table(seq.seq_id) for seq in batch.decodes]
+            # Decode attends to resident blocks only, in any order: keys carry their positions
+            # (RoPE is applied before caching), so dropped blocks simply leave the list.
+            tables = [self.kv.resident_blocks(seq.seq_id) for seq in batch.decodes]
             width = max(len(t) for t in tables)
             padded = torch.zeros(len(tables), width, dtype=torch.long)
             context = torch.empty(len(tables), dtype=torch.long)
             for row, (seq, table) in enumerate(zip(batch.decodes, tables)):
                 padded[row, :len(table)] = torch.tensor(table)
                 position = seq.num_computed_tokens
-                context[row] = position + 1
+                last_block = self.kv.block_table(seq.seq_id)[position // block_size]
+                assert last_block == table[-1], "the newest block is always resident"
+                context[row] = (len(table) - 1) * block_size + position % block_size + 1
                 input_ids.append(seq.token_ids[position])
                 positions.append(torch.tensor([position]))
-                slots.append(self._slots(padded[row], position, position + 1))
+                slots.append(torch.tensor([last_block * block_size + position % block_size]))
                 logit_rows.append(row)
                 sampled.append(seq)
             meta.num_decode_tokens = len(tables)
@@ -51,20 +64,20 @@ class ModelRunner:
             padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
             num_kv = self.model.config.num_kv_heads
             meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
+            if self.detect_need:
+                meta.probe = self._probe(batch.decodes)
 
-        for seq, chunk in batch.prefills:
-            start = seq.num_computed_tokens
+        chunks = [(seq, seq.num_computed_tokens, chunk, True) for seq, chunk in batch.prefills]
+        chunks += [(r.seq, r.start, r.num_tokens, False) for r in batch.replays]
+        for seq, start, chunk, may_sample in chunks:
             end = start + chunk
-            table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.append(torch.arange(start, end))
-            slots.append(self._slots(table, start, end))
-            mask = None
-            if start > 0:  # attend to cached tokens too: query i sees keys 0..start+i
-                mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
-            meta.prefills.append(PrefillSlice(row, row + chunk, end, table.to(self.device), mask))
-            if end == seq.num_tokens:
+            full_table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
+            slots.append(self._slots(full_table, start, end))
+            meta.prefills.append(self._prefill_slice(full_table, start, end, row))
+            if may_sample and end == seq.num_tokens:
                 logit_rows.append(row + chunk - 1)
                 sampled.append(seq)
 
@@ -73,4 +86,41 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.cat(positions).to(self.device), self.kv.kv_caches, meta,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        if meta.probe is not None and meta.probe.max_mass is not None:
+            self.probed_mass = meta.probe.max_mass.tolist()
         return logits, sampled
+
+    def _prefill_slice(self, full_table: torch.Tensor, start: int, end: int, row: int) -> PrefillSlice:
+        """Attention of positions [start, end) to everything before them that is resident.
+        Dropped blocks (approximate prefill) leave the gathered keys; the mask compares the
+        remaining keys' true positions with each query's."""
+        block_size = self.kv.block_size
+        needed = full_table[:-(-end // block_size)]
+        if start == 0:  # nothing cached before: the chunk's own K/V suffice
+            return PrefillSlice(row, row + end - start, end, needed.to(self.device), None)
+        resident = (needed != DROPPED).nonzero().flatten()  # [R] table indices
+        if len(resident) == len(needed):
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            return PrefillSlice(row, row + end - start, end, needed.to(self.device), mask.to(self.device))
+        key_positions = (resident[:, None] * block_size + torch.arange(block_size)).flatten()
+        mask = key_positions[None, :] <= torch.arange(start, end)[:, None]  # [chunk, R*bs]
+        return PrefillSlice(row, row + end - start, len(key_positions), needed[resident].to(self.device),
+                            mask.to(self.device))
+
+    def _probe(self, decodes: list[Sequence]) -> NeedProbe | None:
+        rows, slot_lists = [], []
+        for row, seq in enumerate(decodes):
+            if self.kv.has_key_index(seq.seq_id):
+                rows.append(row)
+                slot_lists.append(self.kv.index_slots(seq.seq_id))
+                self.probed.append(seq)
+        if not rows:
+            return None
+        width = max(len(s) for s in slot_lists)
+        slot_table = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, slot_list in enumerate(slot_lists):
+            slot_table[i, :len(slot_list)] = torch.tensor(slot_list)
+            valid[i, :len(slot_list)] = True
+        return NeedProbe(torch.tensor(rows, device=self.device), slot_table.to(self.device),
+                         valid.to(self.device), self.kv.key_index, self.need_top_blocks)

@@ -12,6 +12,13 @@ Every step has a token budget and follows the same order:
    exact replay of their dropped range at the original positions), then new ones, while usage
    after admitting stays under `admit`. A prefix-cache hit is adopted first and not recomputed.
 
+Dropping policies (window, replay; SPEC §6) add two actions. Before pausing anyone, reclaim drops
+middle blocks (oldest positions first; sequences that replayed recently last). A running sequence
+whose dropped ranges are needed (the need detector fired, or a prefill chunk must see them) replays
+them in order, whole blocks at their original positions, before it decodes or prefills again;
+room for a replay is made by trimming or pausing *other* sequences, so one sequence may replay
+while the rest stay trimmed.
+
 Pausing keeps the sequence's pinned head (protected span and sinks, `pause_mode="protected"`)
 or nothing (`"recompute"`, vLLM's recompute preemption). The KV manager does every block change;
 the scheduler only asks and then tells it what to do.
@@ -22,29 +29,48 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvreplay.kv.manager import KVManager
-from kvreplay.kv.policy import Watermarks, pause_cost
+from kvreplay.kv.policy import POLICIES, KVPolicy, Watermarks, middle_block_range, pause_cost
 from kvreplay.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ReplayChunk:
+    """Dropped blocks `block_indices` of `seq`, recomputed at positions [start, start + num_tokens)."""
+    seq: Sequence
+    start: int
+    num_tokens: int
+    block_indices: list[int]
 
 
 @dataclass
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
+    replays: list[ReplayChunk] = field(default_factory=list)
     paused: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(n for _, n in self.prefills) + \
+            sum(r.num_tokens for r in self.replays)
 
     def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
+        return bool(self.decodes or self.prefills or self.replays)
 
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
                  watermarks: Watermarks = Watermarks(), pause_mode: str = "protected",
-                 block_bytes: int = 1):
+                 block_bytes: int = 1, policy: KVPolicy = POLICIES["full"],
+                 window_tokens: int = 512, trim: str = "pressure", approx_prefill: bool = False):
         self.kv = kv
+        self.policy = policy
+        self.window_tokens = window_tokens
+        self.trim = trim
+        self.approx_prefill = approx_prefill
+        self.num_steps = 0
+        self._busy: set[int] = set()
+        self._chunked: set[int] = set()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.watermarks = watermarks
@@ -79,14 +105,23 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self.num_steps += 1
         self._reclaim(batch)
 
         # 1. Decodes, oldest first. A pause here is forced: the pool is full.
         scheduled: set[int] = set()
+        self._busy = scheduled  # sequences with work in this batch: never paused
+        self._chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
+        for seq in self.running:
+            if self._wants_replay(seq):  # what the prefix cache still holds comes back for free
+                self._restore_cached(seq)
         for seq in list(self.running):
-            if seq not in self.running or seq.num_uncomputed_tokens != 1 or budget == 0:
+            if seq not in self.running or seq.num_uncomputed_tokens != 1 or budget == 0 \
+                    or self._wants_replay(seq):
                 continue
             while not self.kv.allocate(seq.seq_id, 1):
+                if self._trim_for_room(1):
+                    continue
                 victim = self._cheapest_victim(exclude=scheduled | {seq.seq_id})
                 if victim is None and self._release_paused_pins(exclude=None):
                     continue
@@ -99,14 +134,20 @@ class Scheduler:
                 scheduled.add(seq.seq_id)
                 budget -= 1
 
-        # 2. Prefill chunks of running sequences.
-        for seq in self.running:
+        # 2. Replays, then prefill chunks of running sequences.
+        for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.num_uncomputed_tokens > 1:
+            if seq not in self.running:
+                continue
+            if self._wants_replay(seq):
+                budget -= self._schedule_replay(seq, budget, batch)
+            elif seq.num_uncomputed_tokens > 1:
                 chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
                 if chunk:
                     batch.prefills.append((seq, chunk))
+                    scheduled.add(seq.seq_id)
+                    self._chunked.add(seq.seq_id)
                     budget -= chunk
 
         # 3. Admission (resumes first: paused sequences sit at the front of the queue).
@@ -141,8 +182,109 @@ class Scheduler:
             chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             if chunk:
                 batch.prefills.append((seq, chunk))
+                scheduled.add(seq.seq_id)
+                self._chunked.add(seq.seq_id)
                 budget -= chunk
         return batch
+
+    # ------------------------------------------------------------------ dropped ranges
+    def _wants_replay(self, seq: Sequence) -> bool:
+        """Replay first: the detector asked, or a prefill chunk must see the dropped ranges."""
+        return seq.needs_replay or (seq.num_uncomputed_tokens > 1 and not self.approx_prefill
+                                    and bool(self.kv.dropped_blocks(seq.seq_id)))
+
+    def _schedule_replay(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Schedule the oldest run of `seq`'s dropped blocks (exact: everything before it is
+        resident). Blocks still in the prefix cache come back for free. Returns tokens used."""
+        block_size = self.kv.block_size
+        if not self._restore_cached(seq):
+            return 0
+        dropped = self.kv.dropped_blocks(seq.seq_id)
+        run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset]
+        blocks = run[:budget // block_size]
+        while blocks and not self.kv.allocate_restore(seq.seq_id, blocks):
+            if self._trim_for_room(len(blocks), exclude={seq.seq_id}):
+                continue
+            victim = self._cheapest_victim(exclude=self._busy | {seq.seq_id})
+            if victim is not None:
+                self._pause(victim, batch)
+            else:
+                blocks = blocks[:self.kv.num_free_blocks]
+        if not blocks:
+            return 0
+        self._start_replay(seq)
+        batch.replays.append(ReplayChunk(seq, blocks[0] * block_size, len(blocks) * block_size, blocks))
+        self._busy.add(seq.seq_id)
+        self._chunked.add(seq.seq_id)
+        return len(blocks) * block_size
+
+    def _restore_cached(self, seq: Sequence) -> bool:
+        """Take back dropped blocks still in the prefix cache. False when none is left dropped."""
+        if self.kv.restore_cached(seq.seq_id, seq.token_ids):
+            self._start_replay(seq)
+        if self.kv.dropped_blocks(seq.seq_id):
+            return True
+        seq.needs_replay = seq.replaying = False
+        return False
+
+    def _start_replay(self, seq: Sequence) -> None:
+        if not seq.replaying:
+            seq.replaying = True
+            seq.stats.replays += 1
+        seq.last_replay_step = self.num_steps
+
+    def _middle(self, seq: Sequence) -> list[int]:
+        """Hot middle blocks of `seq` that dropping would free."""
+        if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
+            return []
+        blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, self.window_tokens,
+                                    self.kv.block_size)
+        return self.kv.droppable(seq.seq_id, blocks)
+
+    def _trim_for_room(self, num_blocks: int, exclude: set[int] = frozenset(),
+                       target_used: int | None = None) -> bool:
+        """Drop middle blocks until `num_blocks` are free (or usage reaches `target_used`):
+        oldest positions first, sequences that replayed most recently last. True if any went."""
+        if not self.policy.drops_middle:
+            return False
+        candidates = sorted(
+            ((seq.last_replay_step, index, seq.seq_id, seq)
+             for seq in self.running if seq.seq_id not in exclude and self._trimmable(seq)
+             for index in self._middle(seq)), key=lambda c: c[:3])
+        dropped_any = False
+        for _, index, _, seq in candidates:
+            if target_used is None and self.kv.num_free_blocks >= num_blocks:
+                break
+            if target_used is not None and self.kv.num_used_blocks <= target_used:
+                break
+            self._drop(seq, [index])
+            dropped_any = True
+        return dropped_any
+
+    def _trimmable(self, seq: Sequence) -> bool:
+        """Not replaying, no prefill chunk in this batch, and, while it prefills, only when
+        later chunks may attend approximately (else they would replay at once)."""
+        if self._wants_replay(seq) or seq.seq_id in self._chunked:
+            return False
+        return seq.num_uncomputed_tokens == 1 or self.approx_prefill
+
+    def _drop(self, seq: Sequence, block_indices: list[int]) -> None:
+        self.kv.drop(seq.seq_id, block_indices, keep_index=self.policy.keeps_key_index)
+        seq.stats.dropped_tokens += len(block_indices) * self.kv.block_size
+
+    def trim_after_step(self, prefilled: list[Sequence]) -> None:
+        """Policy trimming at the end of a step: `window` drops whatever left the window;
+        `replay` with trim="prefill" drops the middle of prompts whose prefill just ended."""
+        if self.policy.slides:
+            targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        elif self.policy.drops_middle and self.trim == "prefill":
+            targets = [seq for seq in prefilled if seq in self.running]
+        else:
+            return
+        for seq in targets:
+            blocks = self._middle(seq)
+            if blocks:
+                self._drop(seq, blocks)
 
     # ------------------------------------------------------------------ memory pressure
     def _decode_growth(self) -> int:
@@ -154,6 +296,8 @@ class Scheduler:
         total = self.kv.num_blocks
         if self.kv.num_used_blocks + self._decode_growth() <= self.watermarks.high * total:
             return
+        self._busy, self._chunked = set(), set()
+        self._trim_for_room(0, target_used=int(self.watermarks.low * total) - self._decode_growth())
         while len(self.running) > 1 and \
                 self.kv.num_used_blocks + self._decode_growth() > self.watermarks.low * total:
             victim = self._cheapest_victim(exclude=set())
@@ -181,12 +325,24 @@ class Scheduler:
         seq.replay_end = max(seq.replay_end, computed)
         seq.stats.pauses += 1
         seq.stats.dropped_tokens += computed - kept
+        seq.needs_replay = seq.replaying = False
         if kept == 0:
             seq.stats.preemptions += 1
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.paused.append(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Drop all of `seq` and queue it to be recomputed from its first token."""
+        computed = seq.num_computed_tokens
+        self.kv.pause(seq.seq_id, keep_pinned=False)
+        seq.num_computed_tokens = 0
+        seq.replay_end = max(seq.replay_end, computed)
+        seq.needs_replay = seq.replaying = False
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def _release_paused_pins(self, exclude: Sequence | None) -> bool:
         """Last resort when pinned heads of paused sequences fill the pool: drop one (newest

@@ -62,6 +62,9 @@ class Sequence:
         self.max_tokens: int = params.max_tokens or 0  # filled in by the engine when None
         self.pinned_tokens = 0  # head kept through a pause: protected span and sinks
         self.replay_end = 0     # tokens computed before the last pause; below it, prefill is replay
+        self.needs_replay = False   # the need detector fired: replay dropped ranges, redo the step
+        self.replaying = False      # a replay of dropped ranges is under way (counted once)
+        self.last_replay_step = -1  # scheduler step of the last replay: trimmed last under pressure
         self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)

@@ -1,4 +1,5 @@
-"""The KV manager: the ONLY owner of block tables, ref counts, block hashes and pins.
+"""The KV manager: the ONLY owner of block tables, ref counts, block hashes, pins, dropped
+ranges and the key index.
 
 The scheduler and the engine ask (`num_blocks_needed`, `match_prefix`, `pause_preview`) and then
 act through it (`allocate`, `adopt_prefix`, `commit`, `fork`, `pause`, `free`); nothing else
@@ -11,13 +12,35 @@ A sequence's table, with its zones (SPEC §4) for the `full` policy:
     [ b7 ][ b2 ]                                             [ b9 ][ b4 ][ b5 (partial) ]
     shared with other sequences through the prefix cache     CoW copy on the first write
                                                              to a shared partial block
+
+With a dropping policy (window, replay) middle blocks leave the table (entry DROPPED); the
+token ids stay with the sequence, and for `replay` the block's keys stay in the key index at
+int4 (its per-channel min/max doubling as the Quest summary). The index's bytes are charged to
+the budget as *reserved* pool blocks, so usage and watermarks see hot + index bytes:
+
+    | pinned | middle: hot, or DROPPED (index slot + fingerprint) | window (hot) |
+    [ b7 ]   [ -1 ][ -1 ][ b3 ][ -1 ]                             [ b9 ][ b5 ]
 """
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from kvreplay.kv.block_pool import BlockPool
+from kvreplay.kv.key_index import KeyIndex
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
+
+logger = logging.getLogger(__name__)
+
+DROPPED = -1  # table entry of a block whose K/V were freed; its tokens are kept by the sequence
+
+
+@dataclass
+class DroppedBlock:
+    slot: int | None           # key-index slot, None when no keys were kept (window)
+    fingerprint: torch.Tensor  # [2, Hkv, D] fp32 sums of K and V over the block, last layer
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -46,6 +69,14 @@ class KVManager:
         self._extra_keys: dict[int, tuple] = {}
         self.peak_used_blocks = 0
         self.num_cow_copies = 0
+        self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * \
+            torch.finfo(dtype).bits // 8
+        self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device)
+        self._dropped: dict[int, dict[int, DroppedBlock]] = {}  # seq -> block index -> record
+        self._reserved: list[int] = []  # pool blocks standing for the key index's bytes
+        self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
+        self.peak_resident_bytes = 0
+        self.peak_index_bytes = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -134,6 +165,8 @@ class KVManager:
         keep = min(len(table), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
         replay_tokens, freed = slots - min(slots, keep * self.block_size), 0
         for index in range(keep, len(table)):
+            if table[index] == DROPPED:
+                continue
             if self.pool.ref_counts[table[index]] == 1:
                 freed += 1
             elif self.pool.cache.is_cached(table[index]):
@@ -197,6 +230,7 @@ class KVManager:
         table, extra = self._tables[seq_id], self._extra_keys[seq_id]
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), full):
+            assert table[index] != DROPPED, f"seq {seq_id}: block {index} dropped before it was hashed"
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
             parent = self._hash_fn(parent, tokens, extra)
             hashes.append(parent)
@@ -205,6 +239,7 @@ class KVManager:
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """`child_id` shares every block of `parent_id` (n > 1 branches, beams)."""
+        assert not self._dropped.get(parent_id), f"seq {parent_id}: cannot fork with dropped blocks"
         self.add_sequence(child_id, self._pinned_tokens[parent_id], self._extra_keys[parent_id])
         for block in self._tables[parent_id]:
             self.pool.acquire(block)
@@ -218,11 +253,16 @@ class KVManager:
         table = self._tables[seq_id]
         keep = min(len(table), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
         for block in reversed(table[keep:]):  # the tail is evicted first
-            self.pool.release(block)
+            if block != DROPPED:
+                self.pool.release(block)
         del table[keep:]
         kept_tokens = min(self._num_slots[seq_id], keep * self.block_size)
         self._num_slots[seq_id] = kept_tokens
         del self._hashes[seq_id][kept_tokens // self.block_size:]
+        dropped = self._dropped.get(seq_id, {})
+        for index in [i for i in dropped if i >= keep]:
+            self._forget_dropped(seq_id, index)
+        self._rebalance_reserve()
         return kept_tokens
 
     def free(self, seq_id: int) -> None:
@@ -232,9 +272,163 @@ class KVManager:
         self.pause(seq_id, keep_pinned=False)
         for state in (self._tables, self._num_slots, self._hashes, self._pinned_tokens, self._extra_keys):
             del state[seq_id]
+        self._dropped.pop(seq_id, None)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        index_bytes = self.key_index.num_used * self.key_index.slot_bytes
+        hot_bytes = (self.num_used_blocks - len(self._reserved)) * self.block_bytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, hot_bytes + index_bytes)
+        self.peak_index_bytes = max(self.peak_index_bytes, index_bytes)
+
+    def peak_bytes_by_tier(self) -> dict[str, int]:
+        """Peak bytes beside the hot tier: the key index (keys and summaries of dropped blocks)."""
+        return {"index": self.peak_index_bytes}
+
+    # ------------------------------------------------------------------ dropped ranges (SPEC §5)
+    def dropped_blocks(self, seq_id: int) -> list[int]:
+        """Table indices of `seq_id`'s dropped blocks, oldest first."""
+        return sorted(self._dropped.get(seq_id, ()))
+
+    def num_dropped_tokens(self, seq_id: int) -> int:
+        return len(self._dropped.get(seq_id, ())) * self.block_size
+
+    def has_key_index(self, seq_id: int) -> bool:
+        return any(r.slot is not None for r in self._dropped.get(seq_id, {}).values())
+
+    def index_slots(self, seq_id: int) -> list[int]:
+        """Key-index slots of `seq_id`'s dropped blocks (the need detector reads them)."""
+        return [r.slot for r in self._dropped.get(seq_id, {}).values() if r.slot is not None]
+
+    def resident_blocks(self, seq_id: int) -> list[int]:
+        """Blocks of `seq_id` that hold K/V, in table order."""
+        return [b for b in self._tables.get(seq_id, ()) if b != DROPPED]
+
+    def droppable(self, seq_id: int, blocks: range) -> list[int]:
+        """Of the table indices `blocks`, those hot and referenced by `seq_id` alone: dropping
+        a shared block would free nothing."""
+        table = self._tables.get(seq_id, [])
+        return [i for i in blocks if i < len(table) and table[i] != DROPPED
+                and self.pool.ref_counts[table[i]] == 1 and i * self.block_size < self._num_slots[seq_id]]
+
+    def _fingerprint(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[n, 2, Hkv, D] fp32 sums over each block's tokens of K and V in the last layer, the
+        one every replay error would reach."""
+        cache = self.kv_caches[-1]  # [2, Hkv, num_blocks, block_size, D]
+        return cache.index_select(2, blocks).float().sum(3).permute(2, 0, 1, 3)
+
+    def drop(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
+        """Free the K/V of `seq_id`'s blocks at `block_indices` (from `droppable`). With
+        `keep_index` their keys stay in the key index at int4. Returns blocks freed (net of
+        the index's reservation)."""
+        if not block_indices:
+            return 0
+        table = self._tables[seq_id]
+        assert all(table[i] != DROPPED and self.pool.ref_counts[table[i]] == 1 for i in block_indices), \
+            f"seq {seq_id}: only hot, unshared blocks can be dropped"
+        before = self.pool.num_free
+        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
+        fingerprints = self._fingerprint(blocks).cpu()
+        slots: list[int | None] = [None] * len(block_indices)
+        if keep_index:
+            keys = torch.stack([cache[0].index_select(1, blocks) for cache in self.kv_caches])
+            slots = self.key_index.add(keys)  # keys: [L, Hkv, n, block_size, D]
+        records = self._dropped.setdefault(seq_id, {})
+        for index, slot, fingerprint in zip(block_indices, slots, fingerprints):
+            self.pool.release(table[index])  # a cached block waits in the LRU: a free restore
+            table[index] = DROPPED
+            records[index] = DroppedBlock(slot, fingerprint)
+        self._rebalance_reserve()
+        self._note_peak()
+        return self.pool.num_free - before
+
+    def restore_cached(self, seq_id: int, token_ids: list[int]) -> list[int]:
+        """Put back dropped blocks whose K/V still sit in the prefix cache (not yet evicted):
+        a replay that costs nothing. Returns the table indices restored."""
+        table, hashes = self._tables[seq_id], self._hashes[seq_id]
+        restored = []
+        for index in self.dropped_blocks(seq_id):
+            if index >= len(hashes):
+                continue
+            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            block = self.pool.cache.lookup(hashes[index], tokens)
+            if block is None:
+                continue
+            self.pool.acquire(block)
+            table[index] = block
+            self._forget_dropped(seq_id, index)
+            restored.append(index)
+        if restored:
+            self._rebalance_reserve()
+            self._note_peak()
+        return restored
+
+    def allocate_restore(self, seq_id: int, block_indices: list[int]) -> bool:
+        """Fresh blocks for dropped table indices about to be replayed; False (no change) when
+        the pool lacks them."""
+        if len(block_indices) > self.pool.num_free:
+            return False
+        table = self._tables[seq_id]
+        for index in block_indices:
+            assert table[index] == DROPPED, f"seq {seq_id}: block {index} is not dropped"
+            table[index] = self.pool.take()
+        self._note_peak()
+        return True
+
+    def finish_restore(self, seq_id: int, block_indices: list[int], token_ids: list[int]) -> int:
+        """The replay of `block_indices` has written their K/V: compare each with the
+        fingerprint taken at drop time, re-index it in the prefix cache, forget its index slot.
+        Returns the number of blocks whose fingerprint did not match."""
+        table, records = self._tables[seq_id], self._dropped[seq_id]
+        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
+        now = self._fingerprint(blocks).cpu()
+        mismatches = 0
+        for index, fingerprint in zip(block_indices, now):
+            before = records[index].fingerprint
+            error = (fingerprint - before).abs().max() / before.abs().max().clamp_min(1e-6)
+            if error > self.fingerprint_tolerance:
+                mismatches += 1
+                logger.warning("seq %d: replayed block %d differs from its fingerprint by %.3g "
+                               "(tolerance %.3g)", seq_id, index, float(error), self.fingerprint_tolerance)
+            self._forget_dropped(seq_id, index)
+            if self.enable_prefix_caching and index < len(self._hashes[seq_id]) \
+                    and not self.pool.cache.is_cached(table[index]):
+                tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+                self.pool.cache.insert(table[index], self._hashes[seq_id][index], tokens)
+        self._rebalance_reserve()
+        return mismatches
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget slots past `num_tokens` (a decode step that is redone after a replay)."""
+        table = self._tables[seq_id]
+        assert num_tokens <= self._num_slots[seq_id], "truncate only shrinks"
+        keep = _blocks_for(num_tokens, self.block_size)
+        assert all(b != DROPPED for b in table[keep:]), "truncate through a dropped block"
+        for block in reversed(table[keep:]):
+            self.pool.release(block)
+        del table[keep:]
+        self._num_slots[seq_id] = num_tokens
+        del self._hashes[seq_id][num_tokens // self.block_size:]
+
+    def _forget_dropped(self, seq_id: int, index: int) -> None:
+        record = self._dropped[seq_id].pop(index)
+        if record.slot is not None:
+            self.key_index.remove([record.slot])
+        if not self._dropped[seq_id]:
+            del self._dropped[seq_id]
+
+    def _reserve_target(self) -> int:
+        return -(-self.key_index.num_used * self.key_index.slot_bytes // self.block_bytes)
+
+    def _rebalance_reserve(self) -> None:
+        """Hold as many pool blocks as the key index's bytes fill, so that the budget counts
+        them. Dropping frees a whole block per index slot (~1/5 of one), so this never starves."""
+        target = self._reserve_target()
+        while len(self._reserved) > target:
+            self.pool.release(self._reserved.pop())
+        while len(self._reserved) < target:
+            assert self.pool.num_free > 0, "no block left to reserve for the key index"
+            self._reserved.append(self.pool.take())
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
@@ -242,24 +436,38 @@ class KVManager:
         sequence's hash chain matches the cached content of its blocks; pins are held."""
         self.pool.check_integrity(self.block_size)
         counted = [0] * self.num_blocks
+        for block in self._reserved:
+            counted[block] += 1
+        assert len(self._reserved) == self._reserve_target(), "key-index reservation out of date"
+        slots = [r.slot for records in self._dropped.values() for r in records.values()
+                 if r.slot is not None]
+        assert len(slots) == len(set(slots)) == self.key_index.num_used, "key-index slots leaked"
+        for seq_id, records in self._dropped.items():
+            assert records, f"seq {seq_id}: empty dropped record"
+            for index in records:
+                assert self._tables[seq_id][index] == DROPPED, f"seq {seq_id}: block {index} not dropped"
         for seq_id, table in self._tables.items():
             slots = self._num_slots[seq_id]
             assert len(table) == _blocks_for(slots, self.block_size), \
                 f"seq {seq_id}: {len(table)} blocks for {slots} slots"
+            assert sum(b == DROPPED for b in table) == len(self._dropped.get(seq_id, ())), \
+                f"seq {seq_id}: dropped entries without records"
             for block in table:
-                counted[block] += 1
+                if block != DROPPED:
+                    counted[block] += 1
             hashes = self._hashes[seq_id]
             assert len(hashes) <= slots // self.block_size, f"seq {seq_id}: hash past its full blocks"
             parent = None
             for block, block_hash in zip(table, hashes):
-                key = self.pool.cache.key(block)
+                key = self.pool.cache.key(block) if block != DROPPED else None
                 if key is not None:
                     assert key[0] == block_hash, f"seq {seq_id}: block {block} cached under another hash"
                     assert self._hash_fn(parent, key[1], self._extra_keys[seq_id]) == block_hash, \
                         f"seq {seq_id}: block {block} breaks the hash chain"
                 parent = block_hash
             pinned = self.num_pinned_blocks(seq_id)
-            assert all(self.pool.ref_counts[b] > 0 for b in table[:pinned]), f"seq {seq_id}: pin lost"
+            assert all(b != DROPPED and self.pool.ref_counts[b] > 0 for b in table[:pinned]), \
+                f"seq {seq_id}: pin lost"
         for block in range(self.num_blocks):
             assert counted[block] == self.pool.ref_counts[block], \
                 f"block {block}: ref count {self.pool.ref_counts[block]}, tables hold {counted[block]}"

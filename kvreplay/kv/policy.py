@@ -57,3 +57,46 @@ class Watermarks:
 def pause_cost(dropped_tokens: int, freed_bytes: int) -> float:
     """Tokens to replay per byte freed; infinite when pausing frees nothing."""
     return dropped_tokens / freed_bytes if freed_bytes > 0 else math.inf
+
+
+# ---------------------------------------------------------------------- presets (SPEC §6)
+TRIM_MODES = ("prefill", "pressure")
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """A preset: a named combination of the knobs the KV manager and scheduler consult.
+
+    Attributes:
+        name: the preset's name.
+        drops_middle: middle blocks may leave the hot tier (window, replay).
+        keeps_key_index: dropped blocks keep int4 keys (and their min/max summaries) so the need
+            detector can see them and a replay can be decided; `window` keeps nothing.
+        replays_on_need: the need detector runs at decode and replays dropped ranges.
+        slides: blocks are dropped as soon as they leave the window, every step (StreamingLLM).
+    """
+    name: str
+    drops_middle: bool = False
+    keeps_key_index: bool = False
+    replays_on_need: bool = False
+    slides: bool = False
+
+
+POLICIES = {
+    "full": KVPolicy("full"),
+    "window": KVPolicy("window", drops_middle=True, slides=True),
+    "replay": KVPolicy("replay", drops_middle=True, keeps_key_index=True, replays_on_need=True),
+}
+
+
+def middle_block_range(num_tokens: int, pinned_tokens: int, window_tokens: int,
+                       block_size: int) -> range:
+    """Block indices of a sequence's middle zone: whole blocks after the pinned head (protected
+    span and sinks) and entirely older than the last `window_tokens` tokens.
+
+        | pinned head | middle (may be dropped)           | window (always hot) |
+        0      ceil(pinned/bs)              floor((num_tokens - window)/bs)    num_tokens
+    """
+    first = -(-pinned_tokens // block_size)
+    last = max(0, num_tokens - window_tokens) // block_size
+    return range(first, max(first, last))

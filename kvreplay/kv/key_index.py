@@ -1,0 +1,114 @@
+"""The key index of SPEC §4: int4 keys of dropped blocks, and the need detector that reads them.
+
+Values are not kept. Per slot (one dropped block), layer and KV head the index holds the block's
+keys as 4-bit codes with a per-channel min and max; min/max are also the block's Quest summary.
+For SmolLM2-135M (3 KV heads x 64 dims, 16-token blocks) a slot is 2,304 bytes per layer against
+12,288 for the block's bf16 K and V: 19%.
+
+Need detection (SPEC §5 trigger 2): at a decode step, per layer and KV head, the Quest bound ranks
+the sequence's dropped blocks; the top few are dequantized and scored against the step's queries.
+A block's estimated share of the head's attention is exp(lse_block - lse_total), where the total
+covers the resident keys and those top blocks only: leaving the other dropped blocks out can only
+raise the estimate, so the detector errs towards replaying.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvreplay.kv.quant import KeyCodes, block_upper_bound, dequantize_keys_int4, quantize_keys_int4
+
+
+class KeyIndex:
+    """A slot pool of int4 keys, grown by doubling. The KV manager is its only writer."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 device: torch.device | str = "cpu", initial_slots: int = 16):
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.block_size, self.head_dim = block_size, head_dim
+        self.device = torch.device(device)
+        self.codes = torch.zeros(num_layers, num_kv_heads, 0, block_size, head_dim // 2,
+                                 dtype=torch.uint8, device=self.device)  # [L, Hkv, S, bs, D/2]
+        self.lo = torch.zeros(num_layers, num_kv_heads, 0, head_dim, dtype=torch.float16,
+                              device=self.device)                       # [L, Hkv, S, D]
+        self.hi = torch.zeros_like(self.lo)
+        self._free: list[int] = []
+        self._grow(initial_slots)
+        # Per layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
+        self.slot_bytes = num_layers * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def _grow(self, extra: int) -> None:
+        start = self.capacity
+        self.codes = torch.cat([self.codes, self.codes.new_zeros(
+            *self.codes.shape[:2], extra, *self.codes.shape[3:])], dim=2)
+        self.lo = torch.cat([self.lo, self.lo.new_zeros(*self.lo.shape[:2], extra, self.head_dim)], dim=2)
+        self.hi = torch.cat([self.hi, self.hi.new_zeros(*self.hi.shape[:2], extra, self.head_dim)], dim=2)
+        self._free.extend(range(start + extra - 1, start - 1, -1))  # pop() hands out low slots first
+
+    def add(self, keys: torch.Tensor) -> list[int]:
+        """keys: [L, Hkv, n, block_size, D] of n blocks. Returns their n slots."""
+        num_blocks = keys.shape[2]
+        if num_blocks > len(self._free):
+            self._grow(max(self.capacity, num_blocks))
+        slots = [self._free.pop() for _ in range(num_blocks)]
+        codes = quantize_keys_int4(keys)  # packed [L, Hkv, n, bs, D/2], lo/hi [L, Hkv, n, 1, D]
+        index = torch.tensor(slots, device=self.device)
+        self.codes.index_copy_(2, index, codes.packed)
+        self.lo.index_copy_(2, index, codes.lo.squeeze(3))
+        self.hi.index_copy_(2, index, codes.hi.squeeze(3))
+        return slots
+
+    def remove(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+    def keys(self, slots: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized keys [L, Hkv, n, block_size, D] of `slots`."""
+        index = torch.tensor(slots, device=self.device)
+        return dequantize_keys_int4(KeyCodes(self.codes.index_select(2, index),
+                                             self.lo.index_select(2, index).unsqueeze(3),
+                                             self.hi.index_select(2, index).unsqueeze(3)), dtype)
+
+    def max_block_mass(self, layer: int, query: torch.Tensor, slot_table: torch.Tensor,
+                       valid: torch.Tensor, resident_lse: torch.Tensor, top_blocks: int) -> torch.Tensor:
+        """Largest estimated attention share any dropped block takes in any head, per sequence.
+
+        Args:
+            layer: the layer whose keys to read.
+            query: [R, Hkv, G, D] the step's scaled queries, G query heads per KV head.
+            slot_table: [R, N] index slots of each sequence's dropped blocks, padded.
+            valid: [R, N] False on padding.
+            resident_lse: [R, Hkv, G] log-sum-exp of the query's logits over resident keys.
+            top_blocks: blocks per KV head dequantized and scored, chosen by the Quest bound.
+        Returns:
+            [R] float32 in [0, 1].
+        """
+        rows, num_slots = slot_table.shape
+        num_kv, head_dim = self.num_kv_heads, self.head_dim
+        query = query.float()
+        flat = slot_table.flatten()
+        lo = self.lo[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
+        hi = self.hi[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
+        bound = block_upper_bound(query, lo.float(), hi.float()).amax(2)  # [R, Hkv, N]
+        bound.masked_fill_(~valid[:, None, :], float("-inf"))
+        k = min(top_blocks, num_slots)
+        top = bound.topk(k, dim=-1).indices                                # [R, Hkv, k]
+        top_valid = valid.gather(1, top.view(rows, -1)).view(rows, num_kv, k)
+        slots = slot_table.gather(1, top.view(rows, -1)).view(rows, num_kv, k)
+        heads = torch.arange(num_kv, device=slots.device)[None, :, None]
+        codes = KeyCodes(self.codes[layer][heads, slots],            # [R, Hkv, k, bs, D/2]
+                         self.lo[layer][heads, slots].unsqueeze(3),  # [R, Hkv, k, 1, D]
+                         self.hi[layer][heads, slots].unsqueeze(3))
+        keys = dequantize_keys_int4(codes).view(rows, num_kv, k * self.block_size, head_dim)
+        scores = query @ keys.transpose(-1, -2)                            # [R, Hkv, G, k*bs]
+        block_lse = scores.view(*scores.shape[:3], k, self.block_size).logsumexp(-1)  # [R, Hkv, G, k]
+        block_lse.masked_fill_(~top_valid[:, :, None, :], float("-inf"))
+        total = torch.logaddexp(resident_lse.float(), block_lse.logsumexp(-1))  # [R, Hkv, G]
+        mass = (block_lse - total[..., None]).exp()
+        return mass.flatten(1).amax(1)
