@@ -34,7 +34,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="sequences in the running batch at most (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + output tokens at most (default: the model's context)")
-    group.add_argument("--policy", default="full", help="KV policy preset (default: %(default)s)")
+    group.add_argument("--policy", default="full", choices=["full", "window", "replay"],
+                       help="KV policy preset: full keeps every block; window keeps sinks + the "
+                            "recent window (StreamingLLM); replay drops the middle and recomputes "
+                            "it when needed (default: %(default)s)")
+    group.add_argument("--window-tokens", type=int, default=512,
+                       help="recent tokens always kept hot by window/replay (default: %(default)s)")
+    group.add_argument("--trim", default="pressure", choices=["pressure", "prefill"],
+                       help="replay: drop the middle under memory pressure only, or right after "
+                            "each prompt's prefill (default: %(default)s)")
+    group.add_argument("--replay-threshold", type=float, default=0.8,
+                       help="replay: recompute dropped ranges when one dropped block would take "
+                            "more than this share of a head's attention (default: %(default)s)")
+    group.add_argument("--need-top-blocks", type=int, default=8,
+                       help="replay: dropped blocks per KV head the need detector scores "
+                            "(default: %(default)s)")
+    group.add_argument("--approx-prefill", action="store_true",
+                       help="replay: prefill chunks attend to what is resident instead of "
+                            "replaying dropped ranges first")
     group.add_argument("--sink-tokens", type=int, default=4,
                        help="first tokens of each sequence kept through a pause (default: %(default)s)")
     group.add_argument("--watermarks", default="0.6,0.7,0.85",
@@ -55,7 +72,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         policy=args.policy, sink_tokens=args.sink_tokens,
                         watermarks=args.watermarks, enable_prefix_caching=args.enable_prefix_caching,
-                        pause_mode=args.pause_mode)
+                        pause_mode=args.pause_mode, window_tokens=args.window_tokens,
+                        trim=args.trim, replay_threshold=args.replay_threshold,
+                        need_top_blocks=args.need_top_blocks, approx_prefill=args.approx_prefill)
 
 
 def build_parser() -> argparse.ArgumentParser:

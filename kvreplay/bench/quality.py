@@ -83,8 +83,10 @@ def retrieval_cases(tokenizer, corpus: list[int], spec: QualitySpec) -> list[Ret
     return cases
 
 
-def generate_each(llm, prompts: list[list[int]], params, progress: bool, desc: str) -> list:
-    """Generate for each prompt; an output, or the error string for one the engine refused."""
+def generate_each(llm, prompts: list[list[int]], params, progress: bool, desc: str,
+                  on_step=None) -> list:
+    """Generate for each prompt; an output, or the error string for one the engine refused.
+    `on_step(engine)` runs after every engine step."""
     from tqdm import tqdm
     engine = llm.engine
     results: list = [None] * len(prompts)
@@ -101,6 +103,8 @@ def generate_each(llm, prompts: list[list[int]], params, progress: bool, desc: s
                 if output.finished:
                     results[ids.pop(output.request_id)] = output
                     bar.update(1)
+            if on_step is not None:
+                on_step(engine)
     finally:
         bar.close()
         for request_id in ids:
@@ -111,20 +115,45 @@ def generate_each(llm, prompts: list[list[int]], params, progress: bool, desc: s
 def run_retrieval(llm, cases: list[RetrievalCase], progress: bool) -> dict:
     from kvreplay.sampling import SamplingParams
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0)
-    outputs = generate_each(llm, [c.prompt_token_ids for c in cases], params, progress, "retrieval")
+    ratios: dict[str, list[float]] = {}
+
+    def measure(engine) -> None:
+        """Each decoding request's resident KV (hot blocks + key index) against the blocks
+        `full` would hold for the same tokens."""
+        kv = engine.kv
+        for seq in engine.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                full_bytes = -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
+                ratios.setdefault(seq.request_id, []).append(kv.resident_bytes(seq.seq_id) / full_bytes)
+
+    outputs = generate_each(llm, [c.prompt_token_ids for c in cases], params, progress, "retrieval",
+                            on_step=measure)
     rows = []
-    for case, output in zip(cases, outputs):
+    for i, (case, output) in enumerate(zip(cases, outputs)):
         refused = isinstance(output, str)
         found = None if refused else re.search(r"\d+", output.text)
+        seen = ratios.get(f"quality-{i}", [])
         rows.append({"length": case.length, "depth": case.depth, "answer": case.answer,
                      "output": output if refused else output.text,
-                     "correct": bool(found and found.group() == case.answer), "refused": refused})
+                     "correct": bool(found and found.group() == case.answer), "refused": refused,
+                     "resident_first": seen[0] if seen else None,
+                     "resident_mean": sum(seen) / len(seen) if seen else None,
+                     "resident_max": max(seen) if seen else None,
+                     "stats": None if refused else output.outputs[0].stats.as_dict()})
     grid: dict[str, dict[str, float]] = {}
     for length in sorted({r["length"] for r in rows}):
         for depth in sorted({r["depth"] for r in rows}):
             cell = [r["correct"] for r in rows if r["length"] == length and r["depth"] == depth]
             grid.setdefault(str(length), {})[f"{depth:g}"] = sum(cell) / len(cell)
+    measured = [r for r in rows if r["resident_mean"] is not None]
+
+    def mean(key):
+        return sum(r[key] for r in measured) / len(measured) if measured else None
+
     return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "num_cases": len(rows),
+            "resident_first": mean("resident_first"), "resident_mean": mean("resident_mean"),
+            "resident_max": max((r["resident_max"] for r in measured), default=None),
+            "replays": sum(r["stats"]["replays"] for r in rows if r["stats"]),
             "num_refused": sum(r["refused"] for r in rows), "grid": grid, "cases": rows}
 
 

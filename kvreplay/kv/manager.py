@@ -89,6 +89,11 @@ class KVManager:
         return self.num_blocks - self.pool.num_free
 
     @property
+    def num_reserved_blocks(self) -> int:
+        """Pool blocks standing for the key index's bytes (counted as used)."""
+        return len(self._reserved)
+
+    @property
     def num_cached_blocks(self) -> int:
         """Unreferenced blocks that still hold a prefix-cache entry."""
         return self.pool.num_cached_free
@@ -299,6 +304,11 @@ class KVManager:
     def index_slots(self, seq_id: int) -> list[int]:
         """Key-index slots of `seq_id`'s dropped blocks (the need detector reads them)."""
         return [r.slot for r in self._dropped.get(seq_id, {}).values() if r.slot is not None]
+
+    def resident_bytes(self, seq_id: int) -> int:
+        """Bytes `seq_id` holds: its hot blocks (shared ones counted whole) and index slots."""
+        return len(self.resident_blocks(seq_id)) * self.block_bytes + \
+            len(self.index_slots(seq_id)) * self.key_index.slot_bytes
 
     def resident_blocks(self, seq_id: int) -> list[int]:
         """Blocks of `seq_id` that hold K/V, in table order."""

@@ -256,6 +256,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_blocks=engine.kv.num_blocks, num_used_blocks=engine.kv.num_used_blocks,
             num_running=engine.num_running, num_waiting=engine.num_waiting,
+            num_index_blocks=engine.kv.num_reserved_blocks,
             counters=dataclasses.asdict(engine.counters), request_stats=dict(self._stats_totals))
 
 

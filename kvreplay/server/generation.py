@@ -20,7 +20,8 @@ class EngineUnavailableError(RuntimeError):
 class EngineSnapshot:
     """What the metrics read, published by the engine thread after each step."""
     num_blocks: int = 0
-    num_used_blocks: int = 0
+    num_used_blocks: int = 0   # of which num_index_blocks stand for the key index's bytes
+    num_index_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
     counters: dict = field(default_factory=dict)        # EngineCounters fields

@@ -25,6 +25,8 @@ _ENGINE_COUNTERS = {
     "preemptions": ("preemptions", "Sequences preempted for lack of KV blocks"),
     "requests_finished": ("requests_finished", "Engine requests that finished"),
     "requests_aborted": ("requests_aborted", "Engine requests aborted (client gone, shutdown)"),
+    "need_checks": ("need_checks", "Decode rows the replay need detector examined"),
+    "need_fires": ("need_fires", "Decode steps redone after the need detector asked for a replay"),
 }
 # metric name -> (RequestStats field, help)
 _REQUEST_STAT_COUNTERS = {
@@ -49,11 +51,14 @@ class _EngineCollector:
         snap = self._snapshot()
         usage = GaugeMetricFamily("kvreplay_kv_usage_ratio", "Fraction of KV blocks in use, per tier",
                                   labels=["tier"])
-        usage.add_metric(["hot"], snap.num_used_blocks / snap.num_blocks if snap.num_blocks else 0.0)
+        total = snap.num_blocks or 1
+        usage.add_metric(["hot"], (snap.num_used_blocks - snap.num_index_blocks) / total)
+        usage.add_metric(["index"], snap.num_index_blocks / total)
         yield usage
         blocks = GaugeMetricFamily("kvreplay_kv_blocks", "KV blocks per tier and state",
                                    labels=["tier", "state"])
-        blocks.add_metric(["hot", "used"], snap.num_used_blocks)
+        blocks.add_metric(["hot", "used"], snap.num_used_blocks - snap.num_index_blocks)
+        blocks.add_metric(["index", "used"], snap.num_index_blocks)
         blocks.add_metric(["hot", "free"], snap.num_blocks - snap.num_used_blocks)
         yield blocks
         yield GaugeMetricFamily("kvreplay_num_requests_running", "Sequences in the running batch",

@@ -1,0 +1,159 @@
+"""Long requests under a tight KV budget: `full` against `replay` (and optionally `window`), one run.
+
+N requests of ~`--prompt-tokens` real-text tokens (pydoc slices) arrive at once; each generates
+`--output-tokens` greedily. The budget is sized so that `full` holds at most `--full-holds` of them
+at once. Every policy runs the same requests in the same process, one after the other.
+
+Reported per policy:
+- decode tok/s: decode tokens of decode-only steps / time of those steps (the aggregate decode
+  rate once prompts are in; mixed steps are left out of both sides),
+- output tok/s: all output tokens / wall time of the run (prefill and replays included),
+- mean decode batch, peak running sequences, pauses, replays, replayed tokens and their share of
+  all processed tokens (prompt + replayed + output), approximate tokens,
+- agreement with `full`: the fraction of requests whose output equals full's exactly, and the
+  mean matching-prefix length.
+
+Usage:
+    python bench/replay_serving.py [--requests 16] [--prompt-tokens 3000] [--output-tokens 64]
+        [--full-holds 4] [--policies full,replay] [--window-tokens 256] [--trim prefill]
+        [--replay-threshold 0.8] [--threads 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+
+def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -> dict:
+    from kvreplay import LLM, SamplingParams
+    llm = LLM(dtype=args.dtype, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
+              window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
+              max_num_seqs=args.max_num_seqs)
+    engine = llm.engine
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        batches.append(batch)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
+    warm = engine.add_request(prompts[0][:64], SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    del warm
+    batches.clear()
+    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    outputs = {}
+    decode_time = decode_tokens = decode_steps = 0
+    peak_running = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        results = engine.step()
+        elapsed = time.perf_counter() - step_start
+        batch = batches[-1] if batches else None
+        if batch is not None and batch.decodes and not batch.prefills and not batch.replays:
+            decode_time += elapsed
+            decode_tokens += len(batch.decodes)
+            decode_steps += 1
+        peak_running = max(peak_running, engine.num_running)
+        for out in results:
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0]
+        batches.clear()
+    wall = time.perf_counter() - start
+    stats = [outputs[i].stats for i in ids]
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(outputs[i].token_ids) for i in ids)
+    replayed = sum(s.replayed_tokens for s in stats)
+    result = {
+        "policy": policy, "wall_s": wall, "decode_tok_s": decode_tokens / decode_time if decode_time else None,
+        "output_tok_s": output_tokens / wall, "mean_decode_batch": decode_tokens / max(1, decode_steps),
+        "peak_running": peak_running, "pauses": sum(s.pauses for s in stats),
+        "replays": sum(s.replays for s in stats), "replayed_tokens": replayed,
+        "replay_share": replayed / (prompt_tokens + replayed + output_tokens),
+        "approx_tokens": sum(s.approx_tokens for s in stats),
+        "need_fires": engine.counters.need_fires, "need_checks": engine.counters.need_checks,
+        "peak_pool_bytes": engine.kv.peak_used_blocks * engine.kv.block_bytes,
+        "peak_index_bytes": engine.kv.peak_index_bytes,
+        "tokens": {i: outputs[i].token_ids for i in ids},
+    }
+    del llm, engine
+    gc.collect()
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--full-holds", type=float, default=4.5,
+                        help="the budget in long requests' full KV (default: %(default)s)")
+    parser.add_argument("--policies", default="full,replay")
+    parser.add_argument("--window-tokens", type=int, default=256)
+    parser.add_argument("--trim", default="prefill")
+    parser.add_argument("--replay-threshold", type=float, default=0.8)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from kvreplay.bench.workload import corpus_token_ids
+    from kvreplay.models.loader import default_model_path, load_tokenizer
+    from kvreplay.models.config import ModelConfig  # noqa: F401  (documents where sizes come from)
+    tokenizer = load_tokenizer(default_model_path())
+    corpus = corpus_token_ids(tokenizer)
+    step = (len(corpus) - args.prompt_tokens) // args.requests
+    prompts = [corpus[i * step:i * step + args.prompt_tokens] for i in range(args.requests)]
+    runs = []
+    bytes_per_token = None
+    for policy in args.policies.split(","):
+        if bytes_per_token is None:
+            from kvreplay import LLM
+            probe = LLM(dtype=args.dtype, kv_cache_memory="16MiB")
+            bytes_per_token = probe.engine.kv_bytes_per_token
+            del probe
+        budget = int(args.full_holds * (args.prompt_tokens + args.output_tokens) * bytes_per_token)
+        print(f"{policy}: budget {budget / 2**20:.1f} MiB ({args.full_holds} long requests of full KV)", flush=True)
+        runs.append(run_policy(policy, budget, prompts, args))
+    reference = runs[0]["tokens"]
+    for run in runs:
+        same = [run["tokens"][k] == reference[k] for k in reference]
+        prefix = []
+        for k in reference:
+            a, b = run["tokens"][k], reference[k]
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            prefix.append(n)
+        run["exact_vs_first"] = sum(same) / len(same)
+        run["matching_prefix_vs_first"] = sum(prefix) / len(prefix)
+    header = ("policy", "decode tok/s", "output tok/s", "wall s", "mean batch", "peak running", "pauses",
+              "replays", "replayed tok", "replay share", "approx tok", "exact vs first", "match prefix")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in runs:
+        print(f"| {r['policy']} | {r['decode_tok_s']:.1f} | {r['output_tok_s']:.1f} | {r['wall_s']:.1f} | "
+              f"{r['mean_decode_batch']:.1f} | {r['peak_running']} | {r['pauses']} | {r['replays']} | "
+              f"{r['replayed_tokens']} | {r['replay_share']:.3f} | {r['approx_tokens']} | "
+              f"{r['exact_vs_first']:.2f} | {r['matching_prefix_vs_first']:.1f} |")
+    base = runs[0]
+    for r in runs[1:]:
+        print(f"{r['policy']} / {base['policy']}: decode tok/s x{r['decode_tok_s'] / base['decode_tok_s']:.2f}, "
+              f"output tok/s x{r['output_tok_s'] / base['output_tok_s']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
