@@ -2,11 +2,36 @@
 
 Usage:
     python bench/engine_throughput.py [--batches 1,8,32] [--prompt-tokens 128] [--decode-tokens 64]
-                                      [--dtype bfloat16] [--repeats 3] [--no-peer] [--json out.json]
+                                      [--dtype bfloat16] [--repeats 3] [--threads 2] [--no-peer]
+                                      [--llama-cpp] [--json out.json]
 
-Each figure is the median of --repeats runs; kvreplay and transformers alternate within each
-repeat so that machine noise hits both alike. Decode tokens/s = batch x decode tokens / time after
-every sequence has its first token; prefill tokens/s = batch x prompt tokens / time to first tokens.
+Every measurement runs in a fresh subprocess of this script (`--worker kvreplay|transformers|llama_cpp
+--batch N ...`, which prints one JSON line), so each engine has a process to itself. Why: an
+earlier version loaded both models into one process, and there kvreplay's batch-32 decode fell
+from ~458 tok/s (alone in its process) to ~270 tok/s once the transformers model was loaded and had
+run `generate`. The cause was not pinned down (the shared allocator, OpenMP/oneDNN thread pools and
+primitive caches, the CPU caches are the candidates), but a figure taken that way measures the
+interference as much as the engines. A fresh process per engine and run is fair to both: nothing
+of one engine is left in the other's process.
+
+Fairness: both workers get the same prompts (token ids of the same text, equal lengths, no padding),
+the same thread count (--threads, set as OMP_NUM_THREADS/MKL_NUM_THREADS in the worker's
+environment and with torch.set_num_threads), the same dtype, and one untimed warm-up at the measured
+batch shape before the timed run. Within each repeat the engines run one after the other, and the
+order rotates from repeat to repeat (kvreplay first, then transformers first, ...) so that machine
+noise and drift hit both alike. Each figure is the median over --repeats fresh processes. On a
+shared machine, set OMP_WAIT_POLICY=PASSIVE (inherited by the workers) so that idle OpenMP threads
+do not spin against other processes.
+
+Decode tokens/s = tokens generated after every sequence has its first token / the time that
+takes (batch x decode tokens, less those that sequences prefilled in an earlier chunk already
+produced by then); prefill tokens/s = batch x prompt tokens / time until every sequence has its
+first token. Both come from one timed call per engine: kvreplay steps its engine; transformers
+runs one `generate(max_new_tokens=decode+1)` whose stopping criterion stamps the time of each
+token (an earlier version took the difference of two `generate` calls, 1 and decode+1 new tokens;
+with few decode tokens the jitter of the two prefills swamped the decode time). llama.cpp
+(--llama-cpp) is a single stream on the same GGUF file, measured once per repeat at batch 1 (or at
+the first listed batch when 1 is not listed).
 """
 from __future__ import annotations
 
@@ -14,51 +39,73 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-import torch
+ENGINES = ("kvreplay", "transformers", "llama_cpp")
 
+
+# ---------------------------------------------------------------- worker side (one engine, one run)
 
 def _prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
     from pydoc_data.topics import topics
     ids = tokenizer("\n".join(topics[k] for k in sorted(topics))).input_ids
+    if len(ids) < (batch - 1) * 211 + length:
+        raise ValueError(f"not enough text for {batch} prompts of {length} tokens")
     return [ids[i * 211:i * 211 + length] for i in range(batch)]
 
 
 def run_kvreplay(llm, prompts, decode_tokens: int) -> tuple[float, float]:
+    """Prefill ends when every sequence has its first token. With chunked prefill some sequences
+    are already decoding by then (or even done), so decode counts the tokens produced after it."""
     from kvreplay import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
+    total = len(prompts) * (decode_tokens + 1)
     start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    first_token_at = None
+    for p in prompts:
+        engine.add_request(p, params)
+    first_token_at, done_at_first = None, 0
     while engine.has_unfinished_requests():
         engine.step()
-        if first_token_at is None and all(
-                s.num_output_tokens >= 1 for r in engine.requests.values() for s in r.seqs) \
-                and len(engine.requests) == len(ids):
-            first_token_at = time.perf_counter()
+        if first_token_at is None:
+            live = [s for r in engine.requests.values() for s in r.seqs]  # finished requests are gone
+            if all(s.num_output_tokens >= 1 for s in live):
+                first_token_at = time.perf_counter()
+                done_at_first = total - sum(decode_tokens + 1 - s.num_output_tokens for s in live)
     end = time.perf_counter()
     prefill = len(prompts) * len(prompts[0]) / (first_token_at - start)
-    decode = len(prompts) * decode_tokens / (end - first_token_at)
+    decode = (total - done_at_first) / max(end - first_token_at, 1e-9)
     return prefill, decode
 
 
 def run_transformers(model, prompts, decode_tokens: int) -> tuple[float, float]:
+    """One `generate` call, clocked like kvreplay: a stopping criterion (called once per generated
+    token, never stopping) stamps the time each token is out, so the first stamp ends prefill."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Clock(StoppingCriteria):
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     batch = torch.tensor(prompts)  # equal lengths: no padding needed
-    mask = torch.ones_like(batch)
-
-    def timed(new_tokens: int) -> float:
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
-        return time.perf_counter() - start
-
-    first = timed(1)
-    full = timed(decode_tokens + 1)
-    return batch.numel() / first, len(prompts) * decode_tokens / max(full - first, 1e-9)
+    clock = Clock()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=decode_tokens + 1,
+                       min_new_tokens=decode_tokens + 1, do_sample=False, pad_token_id=2,
+                       stopping_criteria=StoppingCriteriaList([clock]))
+    end = time.perf_counter()
+    if len(clock.stamps) != decode_tokens + 1:
+        raise RuntimeError(f"transformers generated {len(clock.stamps)} tokens, not {decode_tokens + 1}")
+    first_token_at = clock.stamps[0]
+    return batch.numel() / (first_token_at - start), len(prompts) * decode_tokens / max(end - first_token_at, 1e-9)
 
 
 def run_llama_cpp(model, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
@@ -72,7 +119,69 @@ def run_llama_cpp(model, prompt: list[int], decode_tokens: int) -> tuple[float, 
         if first_token_at is None:
             first_token_at = time.perf_counter()
     end = time.perf_counter()
-    return len(prompt) / (first_token_at - start), (count - 1) / (end - first_token_at)
+    return len(prompt) / (first_token_at - start), (count - 1) / max(end - first_token_at, 1e-9)
+
+
+def worker(args) -> dict:
+    """Load one engine, warm it up at the measured shape, time one run; return the figures."""
+    import torch
+    torch.set_num_threads(args.threads)
+    from kvreplay.models.loader import default_model_path, load_tokenizer
+    path = default_model_path()
+    prompts = _prompts(load_tokenizer(None), args.batch, args.prompt_tokens)
+    load_start = time.perf_counter()
+    extra = {}
+    if args.worker == "kvreplay":
+        from kvreplay import LLM
+        # No prefix caching: the warm-up sends the same prompts, and transformers has nothing alike.
+        llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB", max_num_batched_tokens=2048,
+                  enable_prefix_caching=False)
+        load_s = time.perf_counter() - load_start
+        run_kvreplay(llm, prompts, 2)  # warm-up: same batch, prompts and shapes
+        prefill, decode = run_kvreplay(llm, prompts, args.decode_tokens)
+    elif args.worker == "transformers":
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=getattr(torch, args.dtype)).eval()
+        load_s = time.perf_counter() - load_start
+        # What the peer really computes with (a GGUF load may keep packed weights on some setups).
+        linear = model.model.layers[0].self_attn.q_proj
+        extra = {"peer_linear": type(linear).__name__, "peer_weight_dtype": str(linear.weight.dtype),
+                 "peer_attn": model.config._attn_implementation}
+        with torch.no_grad():  # warm-up: same batch and prompt length
+            batch = torch.tensor(prompts)
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=3,
+                           min_new_tokens=3, do_sample=False, pad_token_id=2)
+        prefill, decode = run_transformers(model, prompts, args.decode_tokens)
+    elif args.worker == "llama_cpp":
+        from llama_cpp import Llama
+        model = Llama(model_path=path, n_ctx=args.prompt_tokens + args.decode_tokens + 16,
+                      n_threads=args.threads, n_batch=512, verbose=False)
+        load_s = time.perf_counter() - load_start
+        run_llama_cpp(model, prompts[0], 2)  # warm-up
+        prefill, decode = run_llama_cpp(model, prompts[0], args.decode_tokens)
+    else:
+        raise ValueError(f"unknown worker {args.worker!r}")
+    return {"engine": args.worker, "batch": args.batch if args.worker != "llama_cpp" else 1,
+            "prefill_tok_s": prefill, "decode_tok_s": decode, "load_s": load_s,
+            "threads": torch.get_num_threads(), "pid": os.getpid(), **extra}
+
+
+# ---------------------------------------------------------------- parent side (drives the workers)
+
+def spawn(engine: str, batch: int, args) -> dict:
+    """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--batch", str(batch),
+           "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
+           "--dtype", args.dtype, "--threads", str(args.threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise RuntimeError(f"worker {engine} (batch {batch}) failed with exit code {proc.returncode}")
+    return json.loads(lines[-1])
 
 
 def main(argv=None) -> int:
@@ -86,66 +195,63 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also time llama.cpp single-stream (needs llama-cpp-python)")
     parser.add_argument("--json", default=None, help="write results here")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads, the same for every engine")
+    parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
 
-    from kvreplay import LLM
-    from kvreplay.models.loader import default_model_path
-    # No prefix caching: repeats send the same prompts, and transformers has nothing alike.
-    llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB", max_num_batched_tokens=2048,
-              enable_prefix_caching=False)
-    peer = None
-    if not args.no_peer:
-        from transformers import AutoModelForCausalLM
-        path = default_model_path()
-        peer = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    dtype=getattr(torch, args.dtype)).eval()
-    llama = None
-    if args.llama_cpp:
-        from llama_cpp import Llama
-        llama = Llama(model_path=default_model_path(), n_ctx=args.prompt_tokens + args.decode_tokens + 16,
-                      n_threads=args.threads, n_batch=512, verbose=False)
-    rows = []
-    llama_runs: list[tuple[float, float]] = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = _prompts(llm.tokenizer, batch, args.prompt_tokens)
-        ours, theirs = [], []
-        run_kvreplay(llm, prompts[:1], 4)  # warm-up
-        for _ in range(args.repeats):
-            ours.append(run_kvreplay(llm, prompts, args.decode_tokens))
-            if peer is not None:
-                theirs.append(run_transformers(peer, prompts, args.decode_tokens))
-            if llama is not None and batch == 1:
-                llama_runs.append(run_llama_cpp(llama, prompts[0], args.decode_tokens))
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+
+    batches = [int(b) for b in args.batches.split(",")]
+    llama_batch = 1 if 1 in batches else batches[0]
+    rows, runs = [], []
+    llama_runs: list[dict] = []
+    for batch in batches:
+        engines = ["kvreplay"] + ([] if args.no_peer else ["transformers"]) \
+            + (["llama_cpp"] if args.llama_cpp and batch == llama_batch else [])
+        results: dict[str, list[dict]] = {e: [] for e in engines}
+        for repeat in range(args.repeats):
+            order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
+            for engine in order:
+                result = spawn(engine, batch, args)
+                result["repeat"] = repeat
+                results[engine].append(result)
+                runs.append(result)
+                print(json.dumps(result), file=sys.stderr, flush=True)
+        ours, theirs = results["kvreplay"], results.get("transformers", [])
+        llama_runs += results.get("llama_cpp", [])
         row = {"batch": batch,
-               "kvreplay_prefill_tok_s": statistics.median(p for p, _ in ours),
-               "kvreplay_decode_tok_s": statistics.median(d for _, d in ours)}
+               "kvreplay_prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in ours),
+               "kvreplay_decode_tok_s": statistics.median(r["decode_tok_s"] for r in ours)}
         if theirs:
-            row["transformers_prefill_tok_s"] = statistics.median(p for p, _ in theirs)
-            row["transformers_decode_tok_s"] = statistics.median(d for _, d in theirs)
+            row["transformers_prefill_tok_s"] = statistics.median(r["prefill_tok_s"] for r in theirs)
+            row["transformers_decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in theirs)
             row["decode_ratio"] = row["kvreplay_decode_tok_s"] / row["transformers_decode_tok_s"]
             row["prefill_ratio"] = row["kvreplay_prefill_tok_s"] / row["transformers_prefill_tok_s"]
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 
+    threads = sorted({r["threads"] for r in runs if r["engine"] != "llama_cpp"})
     print(f"\n{args.dtype}, prompt {args.prompt_tokens} tokens, {args.decode_tokens} decode tokens, "
-          f"median of {args.repeats}, torch threads {torch.get_num_threads()}\n")
+          f"median of {args.repeats}, torch threads {','.join(map(str, threads))}, "
+          f"one fresh process per engine and repeat\n")
     header = "| batch | kvreplay prefill tok/s | kvreplay decode tok/s |"
-    if peer is not None:
+    if not args.no_peer:
         header += " transformers prefill tok/s | transformers decode tok/s | prefill ratio | decode ratio |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for r in rows:
         line = f"| {r['batch']} | {r['kvreplay_prefill_tok_s']:.0f} | {r['kvreplay_decode_tok_s']:.1f} |"
-        if peer is not None:
+        if not args.no_peer:
             line += (f" {r['transformers_prefill_tok_s']:.0f} | {r['transformers_decode_tok_s']:.1f} |"
                      f" {r['prefill_ratio']:.2f}x | {r['decode_ratio']:.2f}x |")
         print(line)
     llama_row = None
     if llama_runs:
-        llama_row = {"llama_cpp_prefill_tok_s": statistics.median(p for p, _ in llama_runs),
-                     "llama_cpp_decode_tok_s": statistics.median(d for _, d in llama_runs)}
+        llama_row = {"llama_cpp_prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in llama_runs),
+                     "llama_cpp_decode_tok_s": statistics.median(r["decode_tok_s"] for r in llama_runs)}
         print(f"\nllama.cpp single stream (same GGUF, Q4_1 weights, {args.threads} threads): prefill "
               f"{llama_row['llama_cpp_prefill_tok_s']:.0f} tok/s, decode {llama_row['llama_cpp_decode_tok_s']:.1f} tok/s\n")
         print("| batch | kvreplay decode / llama.cpp single-stream decode |")
@@ -155,7 +261,7 @@ def main(argv=None) -> int:
             print(f"| {r['batch']} | {r['decode_vs_llama_cpp']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "llama_cpp": llama_row}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "llama_cpp": llama_row, "runs": runs}, f, indent=2)
     return 0
 
 
