@@ -34,10 +34,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="sequences in the running batch at most (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + output tokens at most (default: the model's context)")
-    group.add_argument("--policy", default="full", choices=["full", "window", "replay"],
+    group.add_argument("--policy", default="full", choices=["full", "window", "replay", "sparse", "replay+cold"],
                        help="KV policy preset: full keeps every block; window keeps sinks + the "
                             "recent window (StreamingLLM); replay drops the middle and recomputes "
-                            "it when needed (default: %(default)s)")
+                            "it when needed; sparse keeps the middle quantized and attends to its "
+                            "top blocks (Quest); replay+cold keeps it quantized while it fits, "
+                            "drops it under pressure, replays on need (default: %(default)s)")
+    group.add_argument("--cold-dtype", default="int8", choices=["int8", "fp8", "int4"],
+                       help="storage of cold blocks (sparse, replay+cold) (default: %(default)s)")
+    group.add_argument("--sparse-budget", type=int, default=None,
+                       help="cold tokens each decode step attends to per KV head, picked by "
+                            "their key bounds (default: all)")
+    group.add_argument("--dense-layers", type=int, default=0,
+                       help="first layers that attend to every cold block (default: %(default)s)")
     group.add_argument("--window-tokens", type=int, default=512,
                        help="recent tokens always kept hot by window/replay (default: %(default)s)")
     group.add_argument("--trim", default="pressure", choices=["pressure", "prefill"],
@@ -74,7 +83,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         watermarks=args.watermarks, enable_prefix_caching=args.enable_prefix_caching,
                         pause_mode=args.pause_mode, window_tokens=args.window_tokens,
                         trim=args.trim, replay_threshold=args.replay_threshold,
-                        need_top_blocks=args.need_top_blocks, approx_prefill=args.approx_prefill)
+                        need_top_blocks=args.need_top_blocks, approx_prefill=args.approx_prefill,
+                        cold_dtype=args.cold_dtype, sparse_budget=args.sparse_budget,
+                        dense_layers=args.dense_layers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -73,6 +73,10 @@ class EngineConfig:
             (the Quest bound picks them).
         approx_prefill: a prefill chunk of a sequence with dropped ranges attends to what is
             resident instead of replaying them first.
+        cold_dtype: storage of cold blocks (sparse, replay+cold): "int8", "fp8" or "int4".
+        sparse_budget: tokens of cold blocks each decode step attends to per KV head, chosen
+            by the Quest bound of their key summaries; None attends to every cold block.
+        dense_layers: the first layers attend to every cold block whatever sparse_budget says.
     """
     model: str | None = None
     dtype: str | torch.dtype = "bfloat16"
@@ -93,6 +97,9 @@ class EngineConfig:
     replay_threshold: float = 0.8
     need_top_blocks: int = 8
     approx_prefill: bool = False
+    cold_dtype: str = "int8"
+    sparse_budget: int | None = None
+    dense_layers: int = 0
 
     def __post_init__(self):
         self.torch_dtype = parse_dtype(self.dtype)
@@ -122,6 +129,17 @@ class EngineConfig:
         if isinstance(self.replay_threshold, bool) or not isinstance(self.replay_threshold, (int, float)) \
                 or not 0 <= self.replay_threshold <= 1:
             raise ValueError(f"replay_threshold is a share of attention in [0, 1], got {self.replay_threshold!r}")
+        from kvreplay.kv.quant import KINDS
+        if self.cold_dtype not in KINDS:
+            raise ValueError(f"unknown cold_dtype {self.cold_dtype!r}; use one of {', '.join(KINDS)}")
+        if self.sparse_budget is not None and (isinstance(self.sparse_budget, bool)
+                                               or not isinstance(self.sparse_budget, int)
+                                               or self.sparse_budget < self.block_size):
+            raise ValueError(f"sparse_budget is a token count >= block_size ({self.block_size}) or "
+                             f"None (attend to every cold block), got {self.sparse_budget!r}")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) \
+                or self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
         if not isinstance(self.approx_prefill, bool):
             raise ValueError(f"approx_prefill must be True or False, got {self.approx_prefill!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvreplay.kv.quant import block_upper_bound
+
 if TYPE_CHECKING:
+    from kvreplay.kv.cold_pool import ColdPool
     from kvreplay.kv.key_index import KeyIndex
 
 
@@ -42,6 +45,23 @@ class NeedProbe:
 
 
 @dataclass
+class ColdAttention:
+    """Cold blocks of each decoding sequence, attended beside its hot blocks (SPEC §6 sparse).
+
+    With `budget_blocks` set, each layer (past `dense_layers`) and KV head attends to the
+    `budget_blocks` cold blocks with the highest Quest bound for its queries; else to all."""
+    slot_table: torch.Tensor   # [B, N] cold-pool slots per decode row, padded
+    valid: torch.Tensor        # [B, N] False on padding
+    pool: "ColdPool"
+    budget_blocks: int | None
+    dense_layers: int = 0
+    layer: int = 0
+    selected_blocks: int = 0   # cold blocks attended, summed over layers and KV heads
+    candidate_blocks: int = 0  # cold blocks that could have been
+    dequant_seconds: float = 0.0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [T] cache row of each token
     num_decode_tokens: int = 0
@@ -49,6 +69,7 @@ class AttentionMetadata:
     decode_padding: torch.Tensor | None = None       # [Hkv*B, 1, max_blocks * block_size] True past the context
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
+    cold: ColdAttention | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -100,6 +121,12 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
     scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]
     scores.masked_fill_(meta.decode_padding, float("-inf"))
+    if meta.cold is not None:
+        cold_keys, cold_values, cold_valid = _cold_blocks(meta.cold, query, num_kv, num_seqs, group)
+        cold_scores = torch.bmm(query, cold_keys.transpose(1, 2)).float()        # [Hkv*B, G, C]
+        cold_scores.masked_fill_(~cold_valid, float("-inf"))
+        scores = torch.cat([scores, cold_scores], dim=-1)
+        values = torch.cat([values, cold_values], dim=1)
     if meta.probe is not None:
         _probe_dropped(meta.probe, query, scores, num_kv, num_seqs, group)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -120,3 +147,46 @@ def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, 
                                           lse, probe.top_blocks)
     probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
     probe.layer += 1
+
+
+def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, and which of
+    their rows are real [Hkv*B, 1, C]. Sparse: per KV head, the top blocks by Quest bound."""
+    import time
+    head_dim = query.shape[-1]
+    block_size = cold.pool.block_size
+    table, valid = cold.slot_table, cold.valid                                    # [B, N]
+    num_slots = table.shape[1]
+    layer = cold.layer
+    cold.layer += 1
+    heads_valid = valid.unsqueeze(0).expand(num_kv, -1, -1)                       # [Hkv, B, N]
+    cold.candidate_blocks += int(valid.sum()) * num_kv
+    if cold.budget_blocks is None or layer < cold.dense_layers or num_slots <= cold.budget_blocks:
+        start = time.perf_counter()
+        keys, values = cold.pool.gather_all_heads(layer, table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
+        cold.dequant_seconds += time.perf_counter() - start
+        picked_valid = heads_valid
+        cold.selected_blocks += int(valid.sum()) * num_kv
+    else:
+        lo, hi = cold.pool.summaries(layer)                                       # [Hkv, S, D]
+        flat = table.flatten()
+        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        q = query.view(num_kv, num_seqs, group, head_dim).float()
+        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
+        bound.masked_fill_(~heads_valid, float("-inf"))
+        top = bound.topk(cold.budget_blocks, dim=-1).indices                      # [Hkv, B, k]
+        slots = table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top)         # [Hkv, B, k]
+        picked_valid = heads_valid.gather(2, top)
+        start = time.perf_counter()
+        keys, values = cold.pool.gather(layer, slots.transpose(0, 1), query.dtype)  # [B, Hkv, k, bs, D]
+        cold.dequant_seconds += time.perf_counter() - start
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)               # [Hkv, B, k, bs, D]
+        cold.selected_blocks += int(picked_valid.sum())
+    picks = picked_valid.shape[-1]
+    keys = keys.reshape(num_kv * num_seqs, picks * block_size, head_dim)
+    values = values.reshape(num_kv * num_seqs, picks * block_size, head_dim)
+    rows_valid = picked_valid.unsqueeze(-1).expand(-1, -1, -1, block_size) \
+        .reshape(num_kv * num_seqs, 1, picks * block_size)
+    return keys, values, rows_valid

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class EngineCounters:
     need_checks: int = 0        # decode rows the need detector looked at
     need_fires: int = 0         # ... and judged to need a replay
     replay_mismatches: int = 0
+    sparse_selected_blocks: int = 0   # cold blocks attended (per layer and KV head)
+    sparse_candidate_blocks: int = 0  # cold blocks that could have been
+    dequant_seconds: float = 0.0      # time spent dequantizing cold blocks for attention
+    decode_seconds: float = 0.0       # time of steps that decoded (the share's denominator)
 
 
 class LLMEngine:
@@ -70,14 +75,16 @@ class LLMEngine:
         cfg = self.model_config
         self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
                             cfg.head_dim, config.torch_dtype, config.device,
-                            enable_prefix_caching=config.enable_prefix_caching)
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            cold_dtype=config.cold_dtype if config.kv_policy.demotes else None)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.watermark_levels, config.pause_mode,
                                    block_bytes=self.kv_bytes_per_token * config.block_size,
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
-                                  need_top_blocks=config.need_top_blocks)
+                                  need_top_blocks=config.need_top_blocks,
+                                  sparse_budget=config.sparse_budget, dense_layers=config.dense_layers)
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -199,7 +206,15 @@ class LLMEngine:
             assert not self.scheduler.running or batch.paused, "running work but nothing scheduled"
             return []
         self.counters.steps += 1
+        started = time.perf_counter()
         logits, sampled = self.runner.run(batch)
+        cold = self.runner.last_cold
+        if batch.decodes:
+            self.counters.decode_seconds += time.perf_counter() - started
+        if cold is not None:
+            self.counters.sparse_selected_blocks += cold.selected_blocks
+            self.counters.sparse_candidate_blocks += cold.candidate_blocks
+            self.counters.dequant_seconds += cold.dequant_seconds
         prefilled = []
         for seq, chunk in batch.prefills:
             start = seq.num_computed_tokens

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.engine.attention import AttentionMetadata, NeedProbe, PrefillSlice
+from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import Sequence
@@ -13,12 +13,15 @@ from kvreplay.models.llama import LlamaModel
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
-                 need_top_blocks: int = 8):
+                 need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0):
         self.model = model
         self.kv = kv
         self.device = model.device
         self.detect_need = detect_need
         self.need_top_blocks = need_top_blocks
+        self.sparse_budget_blocks = None if sparse_budget is None else sparse_budget // kv.block_size
+        self.dense_layers = dense_layers
+        self.last_cold: ColdAttention | None = None  # the cold-tier reads of the last run
         # After each run: the decoding sequences the need detector looked at, and the largest
         # share of attention any of their dropped blocks would have taken.
         self.probed: list[Sequence] = []
@@ -66,6 +69,9 @@ class ModelRunner:
             meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
             if self.detect_need:
                 meta.probe = self._probe(batch.decodes)
+            if self.kv.cold_pool is not None:
+                meta.cold = self._cold(batch.decodes)
+        self.last_cold = meta.cold
 
         chunks = [(seq, seq.num_computed_tokens, chunk, True) for seq, chunk in batch.prefills]
         chunks += [(r.seq, r.start, r.num_tokens, False) for r in batch.replays]
@@ -107,6 +113,23 @@ class ModelRunner:
         return PrefillSlice(row, row + end - start, len(key_positions), needed[resident].to(self.device),
                             mask.to(self.device))
 
+    def _padded(self, slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, N] slot table padded with slot 0, and [R, N] validity."""
+        width = max(len(s) for s in slot_lists)
+        table = torch.zeros(len(slot_lists), width, dtype=torch.long)
+        valid = torch.zeros(len(slot_lists), width, dtype=torch.bool)
+        for i, slots in enumerate(slot_lists):
+            table[i, :len(slots)] = torch.tensor(slots, dtype=torch.long)
+            valid[i, :len(slots)] = True
+        return table.to(self.device), valid.to(self.device)
+
+    def _cold(self, decodes: list[Sequence]) -> ColdAttention | None:
+        slot_lists = [self.kv.cold_slots(seq.seq_id) for seq in decodes]
+        if not any(slot_lists):
+            return None
+        table, valid = self._padded(slot_lists)
+        return ColdAttention(table, valid, self.kv.cold_pool, self.sparse_budget_blocks, self.dense_layers)
+
     def _probe(self, decodes: list[Sequence]) -> NeedProbe | None:
         rows, slot_lists = [], []
         for row, seq in enumerate(decodes):
@@ -116,11 +139,6 @@ class ModelRunner:
                 self.probed.append(seq)
         if not rows:
             return None
-        width = max(len(s) for s in slot_lists)
-        slot_table = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, slot_list in enumerate(slot_lists):
-            slot_table[i, :len(slot_list)] = torch.tensor(slot_list)
-            valid[i, :len(slot_list)] = True
-        return NeedProbe(torch.tensor(rows, device=self.device), slot_table.to(self.device),
-                         valid.to(self.device), self.kv.key_index, self.need_top_blocks)
+        slot_table, valid = self._padded(slot_lists)
+        return NeedProbe(torch.tensor(rows, device=self.device), slot_table, valid,
+                         self.kv.key_index, self.need_top_blocks)

@@ -4,7 +4,8 @@ computes, and which pause when memory is short.
 Every step has a token budget and follows the same order:
 
 0. Reclaim: if this step's decodes would lift usage above the `high` watermark, pause the
-   cheapest victims (see `kvreplay.kv.policy`) until it is back under `low` (hysteresis).
+   cheapest victims (see `kvreplay.kv.policy`) until the running sequences' blocks are back
+   under `low` (hysteresis; kept heads of paused sequences count as reclaimed).
 1. Decodes of running sequences, oldest first. If the pool still cannot hold one, pause another
    sequence at once (cheapest first; a paused sequence's pins as a last resort).
 2. Prefill chunks of running sequences (long prompts and replays continue where they left off).
@@ -243,23 +244,35 @@ class Scheduler:
 
     def _trim_for_room(self, num_blocks: int, exclude: set[int] = frozenset(),
                        target_used: int | None = None) -> bool:
-        """Drop middle blocks until `num_blocks` are free (or usage reaches `target_used`):
-        oldest positions first, sequences that replayed most recently last. True if any went."""
-        if not self.policy.drops_middle:
+        """Take middle blocks out of the hot tier until `num_blocks` are free (or usage reaches
+        `target_used`): hot middle blocks first (demoted to cold, or dropped), then cold ones
+        (dropped); oldest positions first; sequences that replayed most recently last. True if
+        anything moved."""
+        if not (self.policy.drops_middle or self.policy.demotes):
             return False
-        candidates = sorted(
-            ((seq.last_replay_step, index, seq.seq_id, seq)
-             for seq in self.running if seq.seq_id not in exclude and self._trimmable(seq)
-             for index in self._middle(seq)), key=lambda c: c[:3])
-        dropped_any = False
-        for _, index, _, seq in candidates:
+        drops_cold = self.policy.drops_middle and self.policy.demotes
+        candidates = []
+        for seq in self.running:
+            if seq.seq_id in exclude or not self._trimmable(seq):
+                continue
+            candidates += [(seq.last_replay_step, 0, index, seq.seq_id, seq) for index in self._middle(seq)]
+            if drops_cold and seq.beam is None:
+                candidates += [(seq.last_replay_step, 1, index, seq.seq_id, seq)
+                               for index in self.kv.cold_blocks(seq.seq_id)]
+        candidates.sort(key=lambda c: c[:4])
+        moved = False
+        for _, cold, index, _, seq in candidates:
             if target_used is None and self.kv.num_free_blocks >= num_blocks:
                 break
             if target_used is not None and self.kv.num_used_blocks <= target_used:
                 break
-            self._drop(seq, [index])
-            dropped_any = True
-        return dropped_any
+            if cold:
+                self.kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
+                seq.stats.dropped_tokens += self.kv.block_size
+            else:
+                self._evict(seq, [index])
+            moved = True
+        return moved
 
     def _trimmable(self, seq: Sequence) -> bool:
         """Not replaying, no prefill chunk in this batch, and, while it prefills, only when
@@ -268,13 +281,19 @@ class Scheduler:
             return False
         return seq.num_uncomputed_tokens == 1 or self.approx_prefill
 
-    def _drop(self, seq: Sequence, block_indices: list[int]) -> None:
-        self.kv.drop(seq.seq_id, block_indices, keep_index=self.policy.keeps_key_index)
-        seq.stats.dropped_tokens += len(block_indices) * self.kv.block_size
+    def _evict(self, seq: Sequence, block_indices: list[int]) -> None:
+        """Hot middle blocks leave the hot tier: demoted to cold, or dropped."""
+        if self.policy.demotes:
+            self.kv.demote(seq.seq_id, block_indices)
+            seq.stats.cold_blocks += len(block_indices)
+        else:
+            self.kv.drop(seq.seq_id, block_indices, keep_index=self.policy.keeps_key_index)
+            seq.stats.dropped_tokens += len(block_indices) * self.kv.block_size
 
     def trim_after_step(self, prefilled: list[Sequence]) -> None:
-        """Policy trimming at the end of a step: `window` drops whatever left the window;
-        `replay` with trim="prefill" drops the middle of prompts whose prefill just ended."""
+        """Policy trimming at the end of a step: sliding presets (window, sparse, replay+cold)
+        move whatever left the window out of the hot tier; `replay` with trim="prefill" drops
+        the middle of prompts whose prefill just ended."""
         if self.policy.slides:
             targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         elif self.policy.drops_middle and self.trim == "prefill":
@@ -284,7 +303,7 @@ class Scheduler:
         for seq in targets:
             blocks = self._middle(seq)
             if blocks:
-                self._drop(seq, blocks)
+                self._evict(seq, blocks)
 
     # ------------------------------------------------------------------ memory pressure
     def _decode_growth(self) -> int:
@@ -292,18 +311,28 @@ class Scheduler:
                    if seq.num_uncomputed_tokens == 1)
 
     def _reclaim(self, batch: ScheduledBatch) -> None:
-        """Hysteresis: start above `high`, then pause down to `low`, never the last runner."""
+        """Hysteresis: start when the pool (kept heads included) goes above `high`, then pause
+        until the running sequences' blocks are under `low`, never the last runner.
+
+        The kept head of a paused sequence counts as reclaimed: it is released on demand (see
+        `_release_paused_pins`), and counting it as used would pause more sequences per reclaim
+        in protected mode than in recompute mode for the same room (see `kvreplay.kv.policy`)."""
         total = self.kv.num_blocks
         if self.kv.num_used_blocks + self._decode_growth() <= self.watermarks.high * total:
             return
         self._busy, self._chunked = set(), set()
         self._trim_for_room(0, target_used=int(self.watermarks.low * total) - self._decode_growth())
-        while len(self.running) > 1 and \
-                self.kv.num_used_blocks + self._decode_growth() > self.watermarks.low * total:
+        while len(self.running) > 1 and self.kv.num_used_blocks - self._paused_head_blocks() + \
+                self._decode_growth() > self.watermarks.low * total:
             victim = self._cheapest_victim(exclude=set())
             if victim is None:
                 return
             self._pause(victim, batch)
+
+    def _paused_head_blocks(self) -> int:
+        """Blocks that only kept heads of paused sequences hold (what releasing them frees)."""
+        return sum(self.kv.pause_preview(seq.seq_id, keep_pinned=False)[1]
+                   for seq in self.waiting if self.kv.num_slots(seq.seq_id))
 
     def _cheapest_victim(self, exclude: set[int]) -> Sequence | None:
         """The running sequence with the fewest replay tokens per byte freed; ties: the newest."""
@@ -345,8 +374,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release_paused_pins(self, exclude: Sequence | None) -> bool:
-        """Last resort when pinned heads of paused sequences fill the pool: drop one (newest
-        first) entirely. Running sequences' pins are never touched."""
+        """Last resort when pinned heads of paused sequences fill the pool: drop one entirely,
+        the one paused longest ago first (it resumes last: paused sequences resume newest
+        first). Running sequences' pins are never touched."""
         for seq in reversed(self.waiting):
             if seq is not exclude and self.kv.num_slots(seq.seq_id) > 0:
                 kept = seq.num_computed_tokens

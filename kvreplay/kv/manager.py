@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreplay.kv.block_pool import BlockPool
+from kvreplay.kv.cold_pool import ColdPool
 from kvreplay.kv.key_index import KeyIndex
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
 
@@ -39,8 +40,10 @@ DROPPED = -1  # table entry of a block whose K/V were freed; its tokens are kept
 
 @dataclass
 class DroppedBlock:
-    slot: int | None           # key-index slot, None when no keys were kept (window)
+    """A block out of the hot tier: cold (K/V quantized in the cold pool) or dropped."""
+    slot: int | None           # key-index slot, None when no keys were kept (window) or cold
     fingerprint: torch.Tensor  # [2, Hkv, D] fp32 sums of K and V over the block, last layer
+    cold_slot: int | None = None  # cold-pool slot while the block is cold
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -50,7 +53,8 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash):
+                 enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash,
+                 cold_dtype: str | None = None):
         assert num_blocks > 0 and block_size > 0, "a pool needs at least one block"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -72,6 +76,9 @@ class KVManager:
         self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * \
             torch.finfo(dtype).bits // 8
         self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device)
+        self.cold_pool = ColdPool(num_layers, num_kv_heads, block_size, head_dim, cold_dtype, device) \
+            if cold_dtype else None
+        self.peak_cold_bytes = 0
         self._dropped: dict[int, dict[int, DroppedBlock]] = {}  # seq -> block index -> record
         self._reserved: list[int] = []  # pool blocks standing for the key index's bytes
         self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
@@ -283,17 +290,34 @@ class KVManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         index_bytes = self.key_index.num_used * self.key_index.slot_bytes
         hot_bytes = (self.num_used_blocks - len(self._reserved)) * self.block_bytes
-        self.peak_resident_bytes = max(self.peak_resident_bytes, hot_bytes + index_bytes)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, hot_bytes + index_bytes + self.cold_bytes)
         self.peak_index_bytes = max(self.peak_index_bytes, index_bytes)
+        self.peak_cold_bytes = max(self.peak_cold_bytes, self.cold_bytes)
 
     def peak_bytes_by_tier(self) -> dict[str, int]:
-        """Peak bytes beside the hot tier: the key index (keys and summaries of dropped blocks)."""
-        return {"index": self.peak_index_bytes}
+        """Peak bytes beside the hot tier: the key index (keys and summaries of dropped blocks)
+        and the cold tier. The hot tier's own figure counts the blocks reserved for both."""
+        return {"index": self.peak_index_bytes, "cold": self.peak_cold_bytes}
+
+    @property
+    def cold_bytes(self) -> int:
+        return self.cold_pool.num_used * self.cold_pool.slot_bytes if self.cold_pool else 0
 
     # ------------------------------------------------------------------ dropped ranges (SPEC §5)
     def dropped_blocks(self, seq_id: int) -> list[int]:
-        """Table indices of `seq_id`'s dropped blocks, oldest first."""
+        """Table indices of `seq_id`'s blocks out of the hot tier (dropped or cold), oldest
+        first: what a replay recomputes."""
         return sorted(self._dropped.get(seq_id, ()))
+
+    def cold_blocks(self, seq_id: int) -> list[int]:
+        """Table indices of `seq_id`'s cold blocks, oldest first."""
+        records = self._dropped.get(seq_id, {})
+        return sorted(i for i, r in records.items() if r.cold_slot is not None)
+
+    def cold_slots(self, seq_id: int) -> list[int]:
+        """Cold-pool slots of `seq_id`'s cold blocks (attention reads them)."""
+        records = self._dropped.get(seq_id, {})
+        return [records[i].cold_slot for i in self.cold_blocks(seq_id)]
 
     def num_dropped_tokens(self, seq_id: int) -> int:
         return len(self._dropped.get(seq_id, ())) * self.block_size
@@ -307,8 +331,9 @@ class KVManager:
 
     def resident_bytes(self, seq_id: int) -> int:
         """Bytes `seq_id` holds: its hot blocks (shared ones counted whole) and index slots."""
+        cold = len(self.cold_slots(seq_id)) * self.cold_pool.slot_bytes if self.cold_pool else 0
         return len(self.resident_blocks(seq_id)) * self.block_bytes + \
-            len(self.index_slots(seq_id)) * self.key_index.slot_bytes
+            len(self.index_slots(seq_id)) * self.key_index.slot_bytes + cold
 
     def resident_blocks(self, seq_id: int) -> list[int]:
         """Blocks of `seq_id` that hold K/V, in table order."""
@@ -326,6 +351,49 @@ class KVManager:
         one every replay error would reach."""
         cache = self.kv_caches[-1]  # [2, Hkv, num_blocks, block_size, D]
         return cache.index_select(2, blocks).float().sum(3).permute(2, 0, 1, 3)
+
+    def demote(self, seq_id: int, block_indices: list[int]) -> int:
+        """Move hot blocks (from `droppable`) to the cold tier. Returns blocks freed (net of
+        the cold tier's reservation)."""
+        assert self.cold_pool is not None, "demote needs a cold tier (cold_dtype)"
+        if not block_indices:
+            return 0
+        table = self._tables[seq_id]
+        assert all(table[i] != DROPPED and self.pool.ref_counts[table[i]] == 1 for i in block_indices), \
+            f"seq {seq_id}: only hot, unshared blocks can be demoted"
+        before = self.pool.num_free
+        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
+        fingerprints = self._fingerprint(blocks).cpu()
+        keys = torch.stack([cache[0].index_select(1, blocks) for cache in self.kv_caches])
+        values = torch.stack([cache[1].index_select(1, blocks) for cache in self.kv_caches])
+        cold_slots = self.cold_pool.add(keys, values)  # [L, Hkv, n, block_size, D] each
+        records = self._dropped.setdefault(seq_id, {})
+        for index, cold_slot, fingerprint in zip(block_indices, cold_slots, fingerprints):
+            self.pool.release(table[index])
+            table[index] = DROPPED
+            records[index] = DroppedBlock(None, fingerprint, cold_slot)
+        self._rebalance_reserve()
+        self._note_peak()
+        return self.pool.num_free - before
+
+    def drop_cold(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
+        """Drop cold blocks: their quantized K/V leave; with `keep_index` their (dequantized)
+        keys enter the key index. Returns blocks freed from the reservation."""
+        if not block_indices:
+            return 0
+        before = self.pool.num_free
+        records = self._dropped[seq_id]
+        cold_slots = [records[i].cold_slot for i in block_indices]
+        assert None not in cold_slots, f"seq {seq_id}: only cold blocks can be dropped here"
+        slots: list[int | None] = [None] * len(block_indices)
+        if keep_index:
+            keys, _ = self.cold_pool.dequantize_slots(cold_slots)
+            slots = self.key_index.add(keys)
+        self.cold_pool.remove(cold_slots)
+        for index, slot in zip(block_indices, slots):
+            records[index].cold_slot, records[index].slot = None, slot
+        self._rebalance_reserve()
+        return self.pool.num_free - before
 
     def drop(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
         """Free the K/V of `seq_id`'s blocks at `block_indices` (from `droppable`). With
@@ -424,15 +492,19 @@ class KVManager:
         record = self._dropped[seq_id].pop(index)
         if record.slot is not None:
             self.key_index.remove([record.slot])
+        if record.cold_slot is not None:
+            self.cold_pool.remove([record.cold_slot])
         if not self._dropped[seq_id]:
             del self._dropped[seq_id]
 
     def _reserve_target(self) -> int:
-        return -(-self.key_index.num_used * self.key_index.slot_bytes // self.block_bytes)
+        index_bytes = self.key_index.num_used * self.key_index.slot_bytes
+        return -(-(index_bytes + self.cold_bytes) // self.block_bytes)
 
     def _rebalance_reserve(self) -> None:
         """Hold as many pool blocks as the key index's bytes fill, so that the budget counts
-        them. Dropping frees a whole block per index slot (~1/5 of one), so this never starves."""
+        them (and the cold tier's). Dropping or demoting frees a whole block per slot (an index
+        slot is ~1/5 of one, a cold slot 2/5-2/3), so this never starves."""
         target = self._reserve_target()
         while len(self._reserved) > target:
             self.pool.release(self._reserved.pop())
@@ -452,6 +524,13 @@ class KVManager:
         slots = [r.slot for records in self._dropped.values() for r in records.values()
                  if r.slot is not None]
         assert len(slots) == len(set(slots)) == self.key_index.num_used, "key-index slots leaked"
+        cold = [r.cold_slot for records in self._dropped.values() for r in records.values()
+                if r.cold_slot is not None]
+        assert len(cold) == len(set(cold)) == (self.cold_pool.num_used if self.cold_pool else 0), \
+            "cold slots leaked"
+        assert not any(r.slot is not None and r.cold_slot is not None
+                       for records in self._dropped.values() for r in records.values()), \
+            "a block both cold and indexed"
         for seq_id, records in self._dropped.items():
             assert records, f"seq {seq_id}: empty dropped record"
             for index in records:

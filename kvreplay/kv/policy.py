@@ -9,6 +9,19 @@ cheapest step of the reclaim order of SPEC §4):
                         | stops    | only while the  | starts
                                    | projection stays under
 
+What each threshold counts:
+
+- reclaim *starts* when every referenced block plus this step's decode growth is above `high`;
+- reclaim *stops* once the blocks of running sequences plus their decode growth are under
+  `low`. Blocks that only kept heads of paused sequences hold (`pause_mode="protected"`) count as
+  reclaimed: the pause chose to keep them, and they are released on demand (paused longest ago
+  first, as that one resumes last) when a decode cannot fit and no other running sequence can be
+  paused, or when a lone admission cannot fit. Counting them as used would make
+  each protected reclaim pause more sequences than a recompute reclaim for the same room (on
+  issue 3's workload 28 pauses against 24, instead of 18 against 24);
+- admission counts every referenced block, kept heads included: a resume only needs the blocks
+  beyond its kept head, a new request needs all of its own.
+
 Pause-victim rule (`pause_cost`): pausing a sequence drops every computed token outside its
 protected zone and frees the blocks only it references. Its cost is the tokens that must be
 replayed per byte freed: `dropped_tokens / freed_bytes`. The cheapest victim goes first; a
@@ -73,19 +86,26 @@ class KVPolicy:
         keeps_key_index: dropped blocks keep int4 keys (and their min/max summaries) so the need
             detector can see them and a replay can be decided; `window` keeps nothing.
         replays_on_need: the need detector runs at decode and replays dropped ranges.
-        slides: blocks are dropped as soon as they leave the window, every step (StreamingLLM).
+        slides: blocks leave the hot tier as soon as they leave the window, every step
+            (StreamingLLM eviction; demotion for the cold presets).
+        demotes: middle blocks leaving the hot tier go to the cold tier (quantized, still
+            attended); under pressure, hot middle blocks are demoted before anything is dropped.
     """
     name: str
     drops_middle: bool = False
     keeps_key_index: bool = False
     replays_on_need: bool = False
     slides: bool = False
+    demotes: bool = False
 
 
 POLICIES = {
     "full": KVPolicy("full"),
     "window": KVPolicy("window", drops_middle=True, slides=True),
     "replay": KVPolicy("replay", drops_middle=True, keeps_key_index=True, replays_on_need=True),
+    "sparse": KVPolicy("sparse", slides=True, demotes=True),
+    "replay+cold": KVPolicy("replay+cold", drops_middle=True, keeps_key_index=True,
+                            replays_on_need=True, slides=True, demotes=True),
 }
 
 
