@@ -52,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trim", default="pressure", choices=["pressure", "prefill"],
                        help="replay: drop the middle under memory pressure only, or right after "
                             "each prompt's prefill (default: %(default)s)")
-    group.add_argument("--replay-threshold", type=float, default=0.8,
+    group.add_argument("--replay-threshold", type=float, default=0.65,
                        help="replay: recompute dropped ranges when one dropped block would take "
                             "more than this share of a head's attention (default: %(default)s)")
     group.add_argument("--need-top-blocks", type=int, default=8,

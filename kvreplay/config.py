@@ -94,7 +94,7 @@ class EngineConfig:
     pause_mode: str = "protected"
     window_tokens: int = 512
     trim: str = "pressure"
-    replay_threshold: float = 0.8
+    replay_threshold: float = 0.65
     need_top_blocks: int = 8
     approx_prefill: bool = False
     cold_dtype: str = "int8"

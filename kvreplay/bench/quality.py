@@ -112,22 +112,31 @@ def generate_each(llm, prompts: list[list[int]], params, progress: bool, desc: s
     return results
 
 
+def _measure_resident(engine, ratios: dict[str, list[float]]) -> None:
+    """Each decoding request's resident KV (hot blocks + cold tier + key index) against the
+    blocks `full` would hold for the same tokens, appended per request id."""
+    kv = engine.kv
+    for seq in engine.scheduler.running:
+        if seq.num_uncomputed_tokens == 1:
+            full_bytes = -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
+            ratios.setdefault(seq.request_id, []).append(kv.resident_bytes(seq.seq_id) / full_bytes)
+
+
+def _resident_summary(ratios: dict[str, list[float]]) -> dict:
+    seen = [values for values in ratios.values() if values]
+    if not seen:
+        return {"resident_first": None, "resident_mean": None, "resident_max": None}
+    return {"resident_first": sum(v[0] for v in seen) / len(seen),
+            "resident_mean": sum(sum(v) / len(v) for v in seen) / len(seen),
+            "resident_max": max(max(v) for v in seen)}
+
+
 def run_retrieval(llm, cases: list[RetrievalCase], progress: bool) -> dict:
     from kvreplay.sampling import SamplingParams
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0)
     ratios: dict[str, list[float]] = {}
-
-    def measure(engine) -> None:
-        """Each decoding request's resident KV (hot blocks + key index) against the blocks
-        `full` would hold for the same tokens."""
-        kv = engine.kv
-        for seq in engine.scheduler.running:
-            if seq.num_uncomputed_tokens == 1:
-                full_bytes = -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
-                ratios.setdefault(seq.request_id, []).append(kv.resident_bytes(seq.seq_id) / full_bytes)
-
     outputs = generate_each(llm, [c.prompt_token_ids for c in cases], params, progress, "retrieval",
-                            on_step=measure)
+                            on_step=lambda engine: _measure_resident(engine, ratios))
     rows = []
     for i, (case, output) in enumerate(zip(cases, outputs)):
         refused = isinstance(output, str)
@@ -166,7 +175,9 @@ def run_fidelity(llm, scorer: FullAttentionScorer, corpus: list[int], spec: Qual
                                                 for _ in range(spec.fidelity_prompts))]
     params = SamplingParams(max_tokens=spec.fidelity_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=MAX_LOGPROBS)
-    outputs = generate_each(llm, prompts, params, progress, "fidelity")
+    ratios: dict[str, list[float]] = {}
+    outputs = generate_each(llm, prompts, params, progress, "fidelity",
+                            on_step=lambda engine: _measure_resident(engine, ratios))
     per_prompt = []
     for prompt, output in zip(prompts, outputs):
         if isinstance(output, str):
@@ -184,7 +195,8 @@ def run_fidelity(llm, scorer: FullAttentionScorer, corpus: list[int], spec: Qual
 
     return {"top1_agreement": mean("top1_agreement"), "matching_prefix": mean("matching_prefix"),
             "kl": mean("kl"), "num_prompts": len(prompts), "num_refused": len(prompts) - len(scored),
-            "prompts": per_prompt}
+            "approx_tokens": sum(o.outputs[0].stats.approx_tokens for o in outputs if not isinstance(o, str)),
+            **_resident_summary(ratios), "prompts": per_prompt}
 
 
 def run_perplexity(llm, scorer: FullAttentionScorer, corpus: list[int], spec: QualitySpec,

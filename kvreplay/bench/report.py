@@ -89,8 +89,9 @@ def _resident(retrieval: dict | None) -> str:
     """Per-request resident KV (hot + key index) against full's, over the decode steps."""
     if not retrieval or retrieval.get("resident_mean") is None:
         return "-"
-    return (f"{retrieval['resident_first']:.2f}, {retrieval['resident_mean']:.2f}, "
-            f"{retrieval['resident_max']:.2f} ({retrieval['replays']})")
+    text = (f"{retrieval['resident_first']:.2f}, {retrieval['resident_mean']:.2f}, "
+            f"{retrieval['resident_max']:.2f}")
+    return text + (f" ({retrieval['replays']})" if "replays" in retrieval else "")
 
 
 def quality_markdown(result: dict) -> str:
@@ -101,13 +102,14 @@ def quality_markdown(result: dict) -> str:
         ratios = ", ".join(f"{n}: {v:.2f}" for n, v in run["memory_ratio"].items())
         rows.append([run["policy"], run["budget"], ratios,
                      f"{r['accuracy']:.2f} ({r['num_cases']} cases, {r['num_refused']} refused)" if r else "-",
-                     _resident(r),
+                     _resident(r), _resident(f),
                      _num(f["top1_agreement"], 3) if f else "-", _num(f["matching_prefix"]) if f else "-",
                      f"{f['kl']:.1e}" if f and f["kl"] is not None else "-",
                      (_num(p["perplexity"], 2) + f" ({p['tokens']} tok)") if p and p["perplexity"] else
                      (p["method"] if p else "-")])
     text = table(["policy", "budget", "budget / full KV (by length)", "retrieval acc",
-                  "resident / full: after prefill, mean, max (replays)", "top-1 agreement", "matching prefix", "KL vs full", "perplexity"], rows)
+                  "retrieval resident / full: first, mean, max (replays)",
+                  "fidelity resident / full: first, mean, max", "top-1 agreement", "matching prefix", "KL vs full", "perplexity"], rows)
     for run in result["runs"]:
         grid = (run.get("retrieval") or {}).get("grid")
         if not grid:

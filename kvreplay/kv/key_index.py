@@ -33,6 +33,7 @@ class KeyIndex:
         self.hi = torch.zeros_like(self.lo)
         self._free: list[int] = []
         self._grow(initial_slots)
+        self.trace: list | None = None
         # Per layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
         self.slot_bytes = num_layers * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
 
@@ -111,4 +112,8 @@ class KeyIndex:
         block_lse.masked_fill_(~top_valid[:, :, None, :], float("-inf"))
         total = torch.logaddexp(resident_lse.float(), block_lse.logsumexp(-1))  # [R, Hkv, G]
         mass = (block_lse - total[..., None]).exp()
+        if self.trace is not None:  # research hook (bench/need_probe.py): per-head statistics
+            within = (block_lse - block_lse.logsumexp(-1, keepdim=True)).exp().amax(-1)  # [R, Hkv, G]
+            dropped = 1 - (resident_lse.float() - total).exp()                            # [R, Hkv, G]
+            self.trace.append((layer, within.cpu(), dropped.cpu(), mass.amax(-1).cpu()))
         return mass.flatten(1).amax(1)
