@@ -15,9 +15,9 @@ BLOCK = 4
 
 
 def _setup(num_blocks: int, watermarks=(0.6, 0.7, 0.85), pause_mode="protected", budget=64,
-           prefix_caching=True):
-    kv = KVManager(num_blocks, BLOCK, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
-                   enable_prefix_caching=prefix_caching)
+           prefix_caching=True, block_size=BLOCK):
+    kv = KVManager(num_blocks, block_size, num_layers=1, num_kv_heads=1, head_dim=2,
+                   dtype=torch.float32, enable_prefix_caching=prefix_caching)
     return kv, Scheduler(kv, budget, 64, Watermarks(*watermarks), pause_mode)
 
 
@@ -108,6 +108,52 @@ def test_hysteresis_bounds_pauses_around_the_high_watermark():
     without = _oscillating((0.85, 0.85, 0.85))
     assert 0 < with_hysteresis <= 5
     assert without >= 2 * with_hysteresis
+
+
+@pytest.mark.parametrize("pause_mode", ["protected", "recompute"])
+def test_reclaim_counts_a_kept_head_as_reclaimed(pause_mode):
+    # 20 blocks; three 23-token prompts with an 8-token (2-block) head fill 18 (high, 0.9). Their
+    # decodes then need 3 blocks: reclaim pauses until running blocks + growth <= 14 (low, 0.7).
+    # One pause does it in both modes: 12 running blocks + 2 growth. Were the victim's kept head
+    # counted as used (14 + 2 > 14), protected mode would pause a second sequence.
+    kv, scheduler = _setup(20, watermarks=(0.7, 0.9, 0.9), pause_mode=pause_mode, budget=128)
+    seqs = [_seq(23, 20, pinned=8, first=100 * i) for i in range(3)]
+    first_pause: list[tuple[int, int, int]] = []
+
+    def record(batch):
+        if batch.paused and not first_pause:
+            first_pause.extend((seq.seq_id, kv.num_slots(seq.seq_id), kv.num_used_blocks)
+                               for seq in batch.paused)
+
+    _run(kv, scheduler, seqs, record)
+    kept_tokens = 8 if pause_mode == "protected" else 0
+    used_after_step = 12 + 2 + kept_tokens // BLOCK  # running, their decodes, the kept head
+    assert first_pause == [(seqs[2].seq_id, kept_tokens, used_after_step)]
+    assert [s.stats.pauses for s in seqs] == [0, 1, 2]
+
+
+def _issue3(pause_mode: str) -> tuple[int, list[Sequence]]:
+    """Issue 3's workload in tokens (as bench/kv_pressure.py builds it on SmolLM2's template):
+    32 prompts of 1,514 tokens, each with a 505-token protected head, 128 outputs, a pool of
+    615 blocks of 16 (~6 whole requests), watermarks 0.6/0.95/0.95, no prefix cache."""
+    kv, scheduler = _setup(615, watermarks=(0.6, 0.95, 0.95), pause_mode=pause_mode, budget=512,
+                           prefix_caching=False, block_size=16)
+    seqs = [_seq(1514, 128, pinned=505, first=10_000 * i) for i in range(32)]
+    return _run(kv, scheduler, seqs), seqs
+
+
+def test_issue3_protected_pauses_no_more_often_and_replays_30_percent_less():
+    steps, protected = _issue3("protected")
+    recompute_steps, recompute = _issue3("recompute")
+    pauses = sum(s.stats.pauses for s in protected)
+    recompute_pauses = sum(s.stats.pauses for s in recompute)
+    replayed = sum(s.stats.replayed_tokens for s in protected)
+    recompute_replayed = sum(s.stats.replayed_tokens for s in recompute)
+    assert (pauses, replayed, steps) == (18, 18_734, 837)
+    assert (recompute_pauses, recompute_replayed, recompute_steps) == (24, 37_215, 881)
+    assert pauses <= recompute_pauses and steps <= recompute_steps
+    assert replayed <= 0.7 * recompute_replayed
+    assert all(s.stats.preemptions == 0 for s in protected)  # every pause kept its head
 
 
 def test_victim_is_the_cheapest_per_byte_then_the_newest():
