@@ -32,6 +32,7 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
     from kvreplay import LLM, SamplingParams
     llm = LLM(dtype=args.dtype, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
+              need_layers=args.need_layers,
               max_num_seqs=args.max_num_seqs)
     engine = llm.engine
     batches = []
@@ -102,6 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--trim", default="prefill")
     parser.add_argument("--replay-threshold", type=float, default=0.8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--need-layers", default=None, help="e.g. 20-23 (default: all layers)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json")

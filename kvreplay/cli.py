@@ -58,6 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--need-top-blocks", type=int, default=8,
                        help="replay: dropped blocks per KV head the need detector scores "
                             "(default: %(default)s)")
+    group.add_argument("--need-layers", default=None,
+                       help="replay: layers the need detector reads, e.g. 20-23 (default: all)")
     group.add_argument("--approx-prefill", action="store_true",
                        help="replay: prefill chunks attend to what is resident instead of "
                             "replaying dropped ranges first")
@@ -84,7 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         pause_mode=args.pause_mode, window_tokens=args.window_tokens,
                         trim=args.trim, replay_threshold=args.replay_threshold,
                         need_top_blocks=args.need_top_blocks, approx_prefill=args.approx_prefill,
-                        cold_dtype=args.cold_dtype, sparse_budget=args.sparse_budget,
+                        need_layers=args.need_layers, cold_dtype=args.cold_dtype, sparse_budget=args.sparse_budget,
                         dense_layers=args.dense_layers)
 
 

@@ -42,6 +42,25 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
+def parse_layers(value) -> frozenset[int] | None:
+    """None, an iterable of ints, or a string like "7,20-23" -> a set of layer indices."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        layers = set()
+        try:
+            for part in value.split(","):
+                first, _, last = part.strip().partition("-")
+                layers.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"cannot parse layers {value!r}: use e.g. '20-23' or '7,20-23'") from None
+    else:
+        layers = set(value)
+    if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        raise ValueError(f"layers must be non-negative integers, got {value!r}")
+    return frozenset(layers)
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine.
@@ -73,6 +92,9 @@ class EngineConfig:
             (the Quest bound picks them).
         approx_prefill: a prefill chunk of a sequence with dropped ranges attends to what is
             resident instead of replaying them first.
+        need_layers: layers the need detector reads, e.g. "20-23" or "7,20-23" (None: all).
+            `python bench/need_probe.py` shows where a model's retrieval heads are; on
+            SmolLM2-135M layers 20-23 carry them (docs/benchmarks/replay.md).
         cold_dtype: storage of cold blocks (sparse, replay+cold): "int8", "fp8" or "int4".
         sparse_budget: tokens of cold blocks each decode step attends to per KV head, chosen
             by the Quest bound of their key summaries; None attends to every cold block.
@@ -97,6 +119,7 @@ class EngineConfig:
     replay_threshold: float = 0.65
     need_top_blocks: int = 8
     approx_prefill: bool = False
+    need_layers: str | tuple[int, ...] | None = None
     cold_dtype: str = "int8"
     sparse_budget: int | None = None
     dense_layers: int = 0
@@ -129,6 +152,7 @@ class EngineConfig:
         if isinstance(self.replay_threshold, bool) or not isinstance(self.replay_threshold, (int, float)) \
                 or not 0 <= self.replay_threshold <= 1:
             raise ValueError(f"replay_threshold is a share of attention in [0, 1], got {self.replay_threshold!r}")
+        self.need_layer_set = parse_layers(self.need_layers)
         from kvreplay.kv.quant import KINDS
         if self.cold_dtype not in KINDS:
             raise ValueError(f"unknown cold_dtype {self.cold_dtype!r}; use one of {', '.join(KINDS)}")

@@ -227,7 +227,8 @@ def test_bad_replay_knobs_are_clear_errors():
                            ({"replay_threshold": 1.5}, "replay_threshold"),
                            ({"window_tokens": 0}, "window_tokens"),
                            ({"need_top_blocks": -1}, "need_top_blocks"),
-                           ({"approx_prefill": "yes"}, "approx_prefill")]:
+                           ({"approx_prefill": "yes"}, "approx_prefill"),
+                           ({"need_layers": "20-x"}, "layers"), ({"need_layers": [-1]}, "layers")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**knobs)
 
@@ -249,3 +250,23 @@ def test_replay_counters_reach_the_server_usage_shape(replay32, corpus):
     for key in ("dropped_tokens", "replays", "replayed_tokens", "approx_tokens", "replay_mismatches"):
         assert key in stats
     assert stats["dropped_tokens"] > 0 and stats["replays"] == 1
+
+
+def test_need_layers_past_the_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="past the model's 30"):
+        LLM(dtype="float32", kv_cache_memory="16MiB", policy="replay", need_layers="28-30")
+
+
+def test_need_layers_limit_what_the_detector_reads(replay32, corpus):
+    """In the 4K probe layers 0-1 never gave a dropped block more than 0.13 of a head
+    (docs/benchmarks/replay.md): reading only them, a 0.5 threshold never fires."""
+    engine = replay32.engine
+    prompt = corpus[3000:3600]
+    saved = engine.runner.need_layers, engine.config.replay_threshold
+    engine.config.replay_threshold = 0.5
+    try:
+        engine.runner.need_layers = frozenset({0, 1})
+        quiet = replay32.generate(prompt, PARAMS).outputs[0].stats
+    finally:
+        engine.runner.need_layers, engine.config.replay_threshold = saved
+    assert quiet.replays == 0 and quiet.approx_tokens == PARAMS.max_tokens - 1

@@ -40,6 +40,7 @@ class NeedProbe:
     valid: torch.Tensor       # [R, N] False on padding
     key_index: "KeyIndex"
     top_blocks: int
+    layers: frozenset[int] | None = None  # layers to read (None: all)
     layer: int = 0
     max_mass: torch.Tensor | None = None  # [R] largest block share seen in any layer and head
 
@@ -138,15 +139,18 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, num_kv: int,
                    num_seqs: int, group: int) -> None:
     """Estimate, for this layer, the largest attention share a dropped block would take."""
+    layer = probe.layer
+    probe.layer += 1
+    if probe.layers is not None and layer not in probe.layers:
+        return
     head_dim = query.shape[-1]
     lse = scores.view(num_kv, num_seqs, group, -1).index_select(1, probe.rows) \
         .logsumexp(-1).transpose(0, 1)                                            # [R, Hkv, G]
     rows_query = query.view(num_kv, num_seqs, group, head_dim).index_select(1, probe.rows) \
         .transpose(0, 1)                                                          # [R, Hkv, G, D]
-    mass = probe.key_index.max_block_mass(probe.layer, rows_query, probe.slot_table, probe.valid,
+    mass = probe.key_index.max_block_mass(layer, rows_query, probe.slot_table, probe.valid,
                                           lse, probe.top_blocks)
     probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
-    probe.layer += 1
 
 
 def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int,

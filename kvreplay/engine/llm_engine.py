@@ -82,7 +82,11 @@ class LLMEngine:
                                    block_bytes=self.kv_bytes_per_token * config.block_size,
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill)
+        if config.need_layer_set and max(config.need_layer_set) >= cfg.num_layers:
+            raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
+                             f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
+                                  need_layers=config.need_layer_set,
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers)
         self.requests: dict[str, _Request] = {}

@@ -13,12 +13,14 @@ from kvreplay.models.llama import LlamaModel
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
-                 need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0):
+                 need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0,
+                 need_layers: frozenset[int] | None = None):
         self.model = model
         self.kv = kv
         self.device = model.device
         self.detect_need = detect_need
         self.need_top_blocks = need_top_blocks
+        self.need_layers = need_layers
         self.sparse_budget_blocks = None if sparse_budget is None else sparse_budget // kv.block_size
         self.dense_layers = dense_layers
         self.last_cold: ColdAttention | None = None  # the cold-tier reads of the last run
@@ -141,4 +143,4 @@ class ModelRunner:
             return None
         slot_table, valid = self._padded(slot_lists)
         return NeedProbe(torch.tensor(rows, device=self.device), slot_table, valid,
-                         self.kv.key_index, self.need_top_blocks)
+                         self.kv.key_index, self.need_top_blocks, layers=self.need_layers)
