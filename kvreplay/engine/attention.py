@@ -10,6 +10,7 @@ chunk's tokens in turn. K/V of every scheduled token are written into the cache 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,7 +158,6 @@ def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs
                  group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, and which of
     their rows are real [Hkv*B, 1, C]. Sparse: per KV head, the top blocks by Quest bound."""
-    import time
     head_dim = query.shape[-1]
     block_size = cold.pool.block_size
     table, valid = cold.slot_table, cold.valid                                    # [B, N]
