@@ -270,3 +270,22 @@ def test_need_layers_limit_what_the_detector_reads(replay32, corpus):
     finally:
         engine.runner.need_layers, engine.config.replay_threshold = saved
     assert quiet.replays == 0 and quiet.approx_tokens == PARAMS.max_tokens - 1
+
+
+def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(corpus):
+    """A number planted mid-prompt and asked for at the end: the middle is dropped after prefill,
+    the detector (threshold 0.65, layers 20-23 as calibrated in docs/benchmarks/replay.md) must
+    replay and the answer must be right. Plain text continued for 16 tokens: no replay at all."""
+    from kvreplay.bench.quality import QualitySpec, retrieval_cases
+    llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
+              window_tokens=128, need_layers="20-23", enable_prefix_caching=False)
+    cases = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3, 0.7), seed=0))
+    for case in cases:
+        out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),
+                           on_step=_check(llm)).outputs[0]
+        assert out.stats.dropped_tokens > 500 and out.stats.replays == 1, out.stats
+        assert case.answer in out.text
+    for offset in (7000, 20000):
+        out = llm.generate(corpus[offset:offset + 1024], SamplingParams(max_tokens=16, temperature=0,
+                                                                        ignore_eos=True)).outputs[0]
+        assert out.stats.dropped_tokens > 500 and out.stats.replays == 0 and out.stats.approx_tokens == 15
