@@ -144,12 +144,7 @@ class Scheduler:
             if self._wants_replay(seq):
                 budget -= self._schedule_replay(seq, budget, batch)
             elif seq.num_uncomputed_tokens > 1:
-                chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
-                if chunk:
-                    batch.prefills.append((seq, chunk))
-                    scheduled.add(seq.seq_id)
-                    self._chunked.add(seq.seq_id)
-                    budget -= chunk
+                budget -= self._schedule_prefill(seq, budget, batch)
 
         # 3. Admission (resumes first: paused sequences sit at the front of the queue).
         admit_blocks = self.watermarks.admit * self.kv.num_blocks
@@ -180,13 +175,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             committed += projected
-            chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
-            if chunk:
-                batch.prefills.append((seq, chunk))
-                scheduled.add(seq.seq_id)
-                self._chunked.add(seq.seq_id)
-                budget -= chunk
+            budget -= self._schedule_prefill(seq, budget, batch)
         return batch
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """The next prefill chunk of `seq` that fits the budget and the pool; tokens used."""
+        chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+        if chunk:
+            batch.prefills.append((seq, chunk))
+            self._busy.add(seq.seq_id)
+            self._chunked.add(seq.seq_id)
+        return chunk
 
     # ------------------------------------------------------------------ dropped ranges
     def _wants_replay(self, seq: Sequence) -> bool:
