@@ -56,8 +56,9 @@ class ModelRunner:
             for row, (seq, table) in enumerate(zip(batch.decodes, tables)):
                 padded[row, :len(table)] = torch.tensor(table)
                 position = seq.num_computed_tokens
-                last_block = self.kv.block_table(seq.seq_id)[position // block_size]
-                assert last_block == table[-1], "the newest block is always resident"
+                # The block being written is the table's last, always hot (never middle).
+                assert self.kv.num_slots(seq.seq_id) == position + 1, "decode slot not allocated"
+                last_block = table[-1]
                 context[row] = (len(table) - 1) * block_size + position % block_size + 1
                 input_ids.append(seq.token_ids[position])
                 positions.append(torch.tensor([position]))

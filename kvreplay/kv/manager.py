@@ -358,22 +358,12 @@ class KVManager:
         assert self.cold_pool is not None, "demote needs a cold tier (cold_dtype)"
         if not block_indices:
             return 0
-        table = self._tables[seq_id]
-        assert all(table[i] != DROPPED and self.pool.ref_counts[table[i]] == 1 for i in block_indices), \
-            f"seq {seq_id}: only hot, unshared blocks can be demoted"
         before = self.pool.num_free
-        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
+        blocks = self._hot_blocks(seq_id, block_indices)
         fingerprints = self._fingerprint(blocks).cpu()
-        keys = torch.stack([cache[0].index_select(1, blocks) for cache in self.kv_caches])
-        values = torch.stack([cache[1].index_select(1, blocks) for cache in self.kv_caches])
-        cold_slots = self.cold_pool.add(keys, values)  # [L, Hkv, n, block_size, D] each
-        records = self._dropped.setdefault(seq_id, {})
-        for index, cold_slot, fingerprint in zip(block_indices, cold_slots, fingerprints):
-            self.pool.release(table[index])
-            table[index] = DROPPED
-            records[index] = DroppedBlock(None, fingerprint, cold_slot)
-        self._rebalance_reserve()
-        self._note_peak()
+        cold_slots = self.cold_pool.add(self._gather(blocks, 0), self._gather(blocks, 1))
+        self._vacate(seq_id, block_indices, [DroppedBlock(None, fingerprint, cold_slot)
+                                             for cold_slot, fingerprint in zip(cold_slots, fingerprints)])
         return self.pool.num_free - before
 
     def drop_cold(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
@@ -401,24 +391,36 @@ class KVManager:
         the index's reservation)."""
         if not block_indices:
             return 0
+        before = self.pool.num_free
+        blocks = self._hot_blocks(seq_id, block_indices)
+        fingerprints = self._fingerprint(blocks).cpu()
+        slots = self.key_index.add(self._gather(blocks, 0)) if keep_index else [None] * len(block_indices)
+        self._vacate(seq_id, block_indices, [DroppedBlock(slot, fingerprint)
+                                             for slot, fingerprint in zip(slots, fingerprints)])
+        return self.pool.num_free - before
+
+    def _hot_blocks(self, seq_id: int, block_indices: list[int]) -> torch.Tensor:
+        """The pool blocks at `block_indices`, which must be hot and referenced by `seq_id` alone."""
         table = self._tables[seq_id]
         assert all(table[i] != DROPPED and self.pool.ref_counts[table[i]] == 1 for i in block_indices), \
-            f"seq {seq_id}: only hot, unshared blocks can be dropped"
-        before = self.pool.num_free
-        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
-        fingerprints = self._fingerprint(blocks).cpu()
-        slots: list[int | None] = [None] * len(block_indices)
-        if keep_index:
-            keys = torch.stack([cache[0].index_select(1, blocks) for cache in self.kv_caches])
-            slots = self.key_index.add(keys)  # keys: [L, Hkv, n, block_size, D]
-        records = self._dropped.setdefault(seq_id, {})
-        for index, slot, fingerprint in zip(block_indices, slots, fingerprints):
-            self.pool.release(table[index])  # a cached block waits in the LRU: a free restore
+            f"seq {seq_id}: only hot, unshared blocks can leave the hot tier"
+        return torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
+
+    def _gather(self, blocks: torch.Tensor, side: int) -> torch.Tensor:
+        """K (side 0) or V (side 1) of `blocks` in every layer: [L, Hkv, n, block_size, D]."""
+        return torch.stack([cache[side].index_select(1, blocks) for cache in self.kv_caches])
+
+    def _vacate(self, seq_id: int, block_indices: list[int], records: list[DroppedBlock]) -> None:
+        """Release the hot blocks at `block_indices` (a cached one waits in the LRU: a free
+        restore) and record what stands in for each."""
+        table = self._tables[seq_id]
+        dropped = self._dropped.setdefault(seq_id, {})
+        for index, record in zip(block_indices, records):
+            self.pool.release(table[index])
             table[index] = DROPPED
-            records[index] = DroppedBlock(slot, fingerprint)
+            dropped[index] = record
         self._rebalance_reserve()
         self._note_peak()
-        return self.pool.num_free - before
 
     def restore_cached(self, seq_id: int, token_ids: list[int]) -> list[int]:
         """Put back dropped blocks whose K/V still sit in the prefix cache (not yet evicted):
