@@ -43,13 +43,15 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, on_step=None,
-                 protected_tokens: int | Seq[int] | None = None):
+                 protected_tokens: int | Seq[int] | None = None,
+                 hot_from: Seq[int | None] | None = None):
         """Generate for one prompt (returns one RequestOutput) or a list (returns a list, in order).
 
         A prompt is a string or a list of token ids. `on_step`, if given, is called after each
         engine step (tests use it to check integrity). `protected_tokens` marks the first tokens
         of each prompt (one int for all, or one per prompt) as a protected zone: pinned, never
-        dropped while the request lives."""
+        dropped while the request lives. `hot_from` (one per prompt, None for none): the cold
+        presets keep tokens from there on in full precision (`chat` passes its last rounds)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
@@ -65,10 +67,13 @@ class LLM:
             protected = list(protected_tokens)
             if len(protected) != len(batch):
                 raise ValueError(f"{len(protected)} protected_tokens for {len(batch)} prompts")
+        hot = [None] * len(batch) if hot_from is None else list(hot_from)
+        if len(hot) != len(batch):
+            raise ValueError(f"{len(hot)} hot_from values for {len(batch)} prompts")
         ids = []
         try:
-            for prompt, param, span in zip(batch, param_list, protected):
-                ids.append(self.engine.add_request(prompt, param, protected_tokens=span))
+            for prompt, param, span, start in zip(batch, param_list, protected, hot):
+                ids.append(self.engine.add_request(prompt, param, protected_tokens=span, hot_from=start))
         except Exception:
             for request_id in ids:  # nothing half-queued survives a bad prompt in the batch
                 self.engine.abort_request(request_id)
@@ -86,9 +91,27 @@ class LLM:
         batch = [conversations] if single else list(conversations)
         prompts = [self.chat_prompt_ids(conv) for conv in batch]
         protected = [self.system_span_tokens(conv) if protect_system else 0 for conv in batch]
+        hot_from = [self.recent_rounds_start(conv) for conv in batch]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, on_step=on_step,
-                                protected_tokens=protected)
+                                protected_tokens=protected, hot_from=hot_from)
         return outputs[0] if single else outputs
+
+    def recent_rounds_start(self, conversation: list[Message], rounds: int | None = None) -> int | None:
+        """First token of the conversation's last `rounds` rounds (a round starts at a user
+        message; default: the engine's `hot_turns`), which the cold presets keep in full
+        precision (the seeds' multi-turn rule). None when `rounds` is 0, when the chat has no
+        older round (a single long message is compressed like any prompt, beyond the window),
+        or when the template's rendering of the earlier messages is not a prefix of the prompt."""
+        rounds = self.engine.config.hot_turns if rounds is None else rounds
+        users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
+        if not rounds or len(users) <= rounds:
+            return None
+        cut = users[-rounds]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        head = self.tokenizer.apply_chat_template(conversation[:cut], tokenize=False)
+        if not text.startswith(head):
+            return None
+        return self._tokens_before(conversation, text, len(head))
 
     def system_span_tokens(self, conversation: list[Message]) -> int:
         """Tokens of the chat prompt that belong to the system part, found from the template's
@@ -111,9 +134,14 @@ class LLM:
             end = text.rfind("\n", 0, max(common - 1, 0)) + 1
         if not end:
             return 0
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return self._tokens_before(conversation, text, end) or 0
+
+    def _tokens_before(self, conversation: list[Message], text: str, end: int) -> int | None:
+        """Prompt tokens that end at or before character `end` of the rendered `text`; None
+        when the template's ids are not a plain tokenization of its text."""
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         if list(encoded.input_ids) != self.chat_prompt_ids(conversation):
-            return 0  # the template's ids are not a plain tokenization of its text
+            return None
         return sum(1 for _, stop in encoded.offset_mapping if stop <= end)
 
     def chat_prompt_ids(self, conversation: list[Message]) -> list[int]:

@@ -63,6 +63,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--approx-prefill", action="store_true",
                        help="replay: prefill chunks attend to what is resident instead of "
                             "replaying dropped ranges first")
+    group.add_argument("--heavy-tokens", type=int, default=0,
+                       help="middle tokens per sequence kept hot beside the window: the blocks "
+                            "with the most observed attention (H2O heavy hitters) (default: %(default)s)")
+    group.add_argument("--trim-order", default="importance", choices=["importance", "oldest"],
+                       help="which middle blocks reclaim demotes or drops first: least observed "
+                            "attention, or lowest positions (default: %(default)s)")
+    group.add_argument("--resident-ratio", type=float, default=None,
+                       help="replay, replay+cold: cap each decoding sequence's resident KV (hot + "
+                            "cold + key index) at this share of full KV by dropping its least "
+                            "important middle blocks (default: no cap)")
+    group.add_argument("--hot-turns", type=int, default=2,
+                       help="sparse, replay+cold: last chat rounds kept in full precision beside "
+                            "the system prompt (default: %(default)s)")
     group.add_argument("--sink-tokens", type=int, default=4,
                        help="first tokens of each sequence kept through a pause (default: %(default)s)")
     group.add_argument("--watermarks", default="0.6,0.7,0.85",
@@ -87,7 +100,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         trim=args.trim, replay_threshold=args.replay_threshold,
                         need_top_blocks=args.need_top_blocks, approx_prefill=args.approx_prefill,
                         need_layers=args.need_layers, cold_dtype=args.cold_dtype, sparse_budget=args.sparse_budget,
-                        dense_layers=args.dense_layers)
+                        dense_layers=args.dense_layers, heavy_tokens=args.heavy_tokens,
+                        trim_order=args.trim_order, hot_turns=args.hot_turns,
+                        resident_ratio=args.resident_ratio)
 
 
 def build_parser() -> argparse.ArgumentParser:

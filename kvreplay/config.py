@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, Watermarks
+from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -99,6 +99,18 @@ class EngineConfig:
         sparse_budget: tokens of cold blocks each decode step attends to per KV head, chosen
             by the Quest bound of their key summaries; None attends to every cold block.
         dense_layers: the first layers attend to every cold block whatever sparse_budget says.
+        heavy_tokens: middle blocks with the most observed attention (kvreplay.kv.importance:
+            the prompt's last queries, then every decode step), up to this many tokens per
+            sequence, stay hot beside the window (H2O's heavy hitters; 0: none).
+        trim_order: which middle blocks reclaim demotes or drops first: "importance" (least
+            observed attention first) or "oldest" (lowest positions first).
+        resident_ratio: dropping presets (replay, replay+cold): after each step, a decoding
+            sequence whose resident KV (hot + cold + key index) is above this share of what
+            `full` would hold drops middle blocks, least important first (cold ones in
+            replay+cold), until it is not (None: no per-sequence cap).
+        hot_turns: chat rounds (a user message and what follows it) at the end of a chat that
+            the cold presets keep in full precision beside the system prompt (the seeds'
+            multi-turn rule; 0: only the window).
     """
     model: str | None = None
     dtype: str | torch.dtype = "bfloat16"
@@ -123,6 +135,10 @@ class EngineConfig:
     cold_dtype: str = "int8"
     sparse_budget: int | None = None
     dense_layers: int = 0
+    heavy_tokens: int = 0
+    trim_order: str = "importance"
+    hot_turns: int = 2
+    resident_ratio: float | None = None
 
     def __post_init__(self):
         self.torch_dtype = parse_dtype(self.dtype)
@@ -164,6 +180,16 @@ class EngineConfig:
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) \
                 or self.dense_layers < 0:
             raise ValueError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+        for name in ("heavy_tokens", "hot_turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.resident_ratio is not None and (isinstance(self.resident_ratio, bool)
+                                                or not isinstance(self.resident_ratio, (int, float))
+                                                or not 0 < self.resident_ratio <= 1):
+            raise ValueError(f"resident_ratio is a share of full KV in (0, 1] or None, got {self.resident_ratio!r}")
+        if self.trim_order not in TRIM_ORDERS:
+            raise ValueError(f"unknown trim_order {self.trim_order!r}; use one of {', '.join(TRIM_ORDERS)}")
         if not isinstance(self.approx_prefill, bool):
             raise ValueError(f"approx_prefill must be True or False, got {self.approx_prefill!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

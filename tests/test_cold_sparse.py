@@ -37,8 +37,9 @@ def test_block_selection_picks_the_planted_block():
     keys[0, 0, 3, 0] = query[0, 0] * 3               # head 0: block 3
     slots = pool.add(keys, torch.randn(1, 2, 10, 4, 8))
     cold = ColdAttention(torch.tensor([slots]), torch.ones(1, 10, dtype=torch.bool), pool, budget_blocks=1)
-    picked_keys, _, valid = _cold_blocks(cold, query.reshape(2, 1, 8), num_kv=2, num_seqs=1, group=1)
+    picked_keys, _, valid, picks = _cold_blocks(cold, query.reshape(2, 1, 8), num_kv=2, num_seqs=1, group=1)
     assert valid.all() and cold.selected_blocks == 2 and cold.candidate_blocks == 20
+    assert picks.flatten().tolist() == [3, 7]
     expected = pool.dequantize_slots([slots[3], slots[7]])[0][0]  # [Hkv, n, bs, D]
     assert torch.equal(picked_keys[0], expected[0, 0])         # head 0 read block 3
     assert torch.equal(picked_keys[1], expected[1, 1])         # head 1 read block 7

@@ -318,7 +318,34 @@ def test_metrics_expose_the_spec_names(server):
                  "kvreplay_time_per_output_token_seconds_bucket", "kvreplay_pauses_total",
                  "kvreplay_replays_total", "kvreplay_replayed_tokens_total", "kvreplay_dropped_tokens_total",
                  "kvreplay_prefix_cache_hit_tokens_total", "kvreplay_replay_mismatches_total",
-                 "kvreplay_cold_blocks_total", "kvreplay_preemptions_total"]:
+                 "kvreplay_cold_blocks_total", "kvreplay_preemptions_total",
+                 "kvreplay_kv_usage_ratio{tier=\"cold\"}", "kvreplay_kv_usage_ratio{tier=\"index\"}",
+                 "kvreplay_sparse_hit_rate", "kvreplay_hot_cold_access_ratio", "kvreplay_dequant_time_share",
+                 "kvreplay_sparse_selected_blocks_total", "kvreplay_hot_blocks_read_total"]:
         assert name in text, name
     assert server.metric("kvreplay_requests_total", f'endpoint="{CHAT_PATH}",status="401"') > 0
     assert server.metric("kvreplay_time_to_first_token_seconds_count") > 0
+
+
+def test_cold_tier_gauges_are_computed_from_the_snapshot():
+    """Sparse hit rate, hot/cold access ratio, dequant share and per-tier usage from one
+    published snapshot (the engine-side counters they divide)."""
+    from kvreplay.server.generation import EngineSnapshot
+    from kvreplay.server.metrics import ServerMetrics
+    snap = EngineSnapshot(num_blocks=100, num_used_blocks=50, num_index_blocks=10, block_bytes=1000,
+                          index_bytes=4000, cold_bytes=5500,
+                          counters={"sparse_selected_blocks": 30, "sparse_candidate_blocks": 120,
+                                    "hot_blocks_read": 90, "dequant_seconds": 0.5, "decode_seconds": 2.0})
+    text = ServerMetrics(lambda: snap).render().decode()
+
+    def value(line_start: str) -> float:
+        return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
+
+    assert value("kvreplay_sparse_hit_rate ") == 0.25
+    assert value("kvreplay_hot_cold_access_ratio ") == 3.0
+    assert value("kvreplay_dequant_time_share ") == 0.25
+    assert value('kvreplay_kv_usage_ratio{tier="hot"}') == 0.4
+    assert value('kvreplay_kv_usage_ratio{tier="index"}') == 0.04
+    assert value('kvreplay_kv_usage_ratio{tier="cold"}') == 0.055
+    empty = ServerMetrics(lambda: EngineSnapshot()).render().decode()
+    assert "kvreplay_hot_cold_access_ratio 0.0" in empty  # no cold read yet: 0, not a division error

@@ -25,11 +25,13 @@ class FakeEngine:
 
     def __init__(self, crash_on_step: bool = False):
         self.crash_on_step = crash_on_step
-        self.kv = SimpleNamespace(num_blocks=4, num_used_blocks=0, num_reserved_blocks=0, capacity_tokens=64)
+        self.kv = SimpleNamespace(num_blocks=4, num_used_blocks=0, num_reserved_blocks=0, capacity_tokens=64,
+                                  block_bytes=16, index_bytes=0, cold_bytes=0)
         self.counters = EngineCounters()
         self.requests: dict[str, tuple[object, list[int]]] = {}
         self.num_waiting = 0
         self.protected: dict[str, int] = {}
+        self.hot_from: dict[str, int | None] = {}
 
     @property
     def num_running(self):
@@ -38,11 +40,12 @@ class FakeEngine:
     def tokenize(self, prompt):
         return [0, 1, 2] if prompt else []
 
-    def add_request(self, token_ids, params, request_id, stream, protected_tokens=0):
+    def add_request(self, token_ids, params, request_id, stream, protected_tokens=0, hot_from=None):
         if not token_ids:
             raise ValueError("the prompt is empty")
         self.requests[request_id] = (params, [])
         self.protected[request_id] = protected_tokens
+        self.hot_from[request_id] = hot_from
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -72,7 +75,8 @@ class FakeEngine:
 
 def _client(engine: FakeEngine) -> TestClient:
     llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c: [0, 1, 2],
-                          system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0)
+                          system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0,
+                          recent_rounds_start=lambda c: 1 if len(c) > 3 else None)
     return TestClient(build_app(AsyncEngine(llm), ServerConfig()))
 
 
@@ -106,4 +110,9 @@ def test_a_chat_system_message_is_passed_as_the_protected_zone():
             response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
             assert response.status_code == 200, response.text
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    assert sorted(engine.protected.values()) == [0, 0, 2]
+        rounds = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 2
+        response = client.post("/v1/chat/completions", json={"messages": rounds, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    assert sorted(engine.protected.values()) == [0, 0, 0, 2]
+    # ... and where a chat's last rounds start (LLM.recent_rounds_start), None for a completion
+    assert sorted(engine.hot_from.values(), key=str) == [1, None, None, None]

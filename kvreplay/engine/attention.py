@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvreplay.kv.importance import block_mass
 from kvreplay.kv.quant import block_upper_bound
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class PrefillSlice:
     context_tokens: int       # key rows gathered from block_table (cached + chunk)
     block_table: torch.Tensor  # [num_blocks] block ids whose rows are gathered
     mask: torch.Tensor | None  # [chunk, context] bool, None when nothing was cached before it
+    observe: int = 0           # score this many last queries against every key (importance)
+    mass: torch.Tensor | None = None  # [context blocks] their block mass, summed over layers
 
 
 @dataclass
@@ -72,6 +75,11 @@ class AttentionMetadata:
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
+    # Importance (kvreplay.kv.importance): block mass of each decode row, summed over layers,
+    # over its hot blocks [B, max_blocks] and its cold blocks [B, N] (when observe_decode).
+    observe_decode: bool = False
+    decode_mass: torch.Tensor | None = None
+    cold_mass: torch.Tensor | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -95,6 +103,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             values = v[rows].transpose(0, 1).unsqueeze(0)
             result = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                     scale=scale, enable_gqa=True)
+            if chunk.observe:
+                _observe_prefill(chunk, query[0], keys[0], None, scale, block_size)
         else:
             context = chunk.context_tokens
             # index_select: ~9x faster than advanced indexing on a middle dimension here
@@ -102,6 +112,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             values = value_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :context]
             result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
                                                     attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            if chunk.observe:
+                _observe_prefill(chunk, query[0], keys, chunk.mask, scale, block_size)
         out[rows] = result.squeeze(0).transpose(0, 1)
     return out
 
@@ -123,18 +135,65 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
     scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]
     scores.masked_fill_(meta.decode_padding, float("-inf"))
+    picks = None
     if meta.cold is not None:
-        cold_keys, cold_values, cold_valid = _cold_blocks(meta.cold, query, num_kv, num_seqs, group)
+        cold_keys, cold_values, cold_valid, picks = _cold_blocks(meta.cold, query, num_kv, num_seqs, group)
         cold_scores = torch.bmm(query, cold_keys.transpose(1, 2)).float()        # [Hkv*B, G, C]
         cold_scores.masked_fill_(~cold_valid, float("-inf"))
         scores = torch.cat([scores, cold_scores], dim=-1)
         values = torch.cat([values, cold_values], dim=1)
     if meta.probe is not None:
         _probe_dropped(meta.probe, query, scores, num_kv, num_seqs, group)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.bmm(probs, values)                                                # [Hkv*B, G, D]
+    probs = torch.softmax(scores, dim=-1)
+    if meta.observe_decode:
+        _observe_decode(meta, probs, width, num_kv, num_seqs, group, key_cache.shape[2], picks)
+    out = torch.bmm(probs.to(q.dtype), values)                                                # [Hkv*B, G, D]
     return out.view(num_kv, num_seqs, num_q // num_kv, head_dim).transpose(0, 1) \
         .reshape(num_seqs, num_q, head_dim)
+
+
+def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, block_size: int) -> None:
+    """Block mass of the chunk's last `observe` queries over its keys (SnapKV's observation
+    window). query: [Hq, C, D]; keys: [Hkv, context, D]; mask: [C, context] or None (causal)."""
+    num_q, num_rows, head_dim = query.shape
+    num_kv, context = keys.shape[0], keys.shape[1]
+    group = num_q // num_kv
+    observed = min(chunk.observe, num_rows)
+    last = query[:, -observed:].reshape(num_kv, group * observed, head_dim)
+    scores = torch.bmm(last, keys.transpose(1, 2)).float().mul_(scale)      # [Hkv, G*obs, context]
+    if mask is None:  # causal within the chunk: query i sees keys <= its own row
+        rows = torch.arange(num_rows - observed, num_rows, device=query.device)
+        allowed = torch.arange(context, device=query.device)[None, :] <= rows[:, None]
+    else:
+        allowed = mask[-observed:]
+    scores = scores.view(num_kv, group, observed, context).masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_q, observed, context)
+    probs = F.pad(probs, (0, -context % block_size))
+    mass = block_mass(probs, block_size)                                       # [context blocks]
+    chunk.mass = mass if chunk.mass is None else chunk.mass + mass
+
+
+def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, num_kv: int,
+                    num_seqs: int, group: int, block_size: int, picks: torch.Tensor | None) -> None:
+    """Block mass of this layer's decode attention, added to the metadata's running sums.
+    probs: [Hkv*B, G, width + cold keys]; picks: [Hkv, B, k] cold-table columns read per KV
+    head (sparse), None when every cold block was read."""
+    heads = probs.view(num_kv, num_seqs, group, -1)
+    hot = heads[..., :width].transpose(0, 1).reshape(num_seqs, num_kv * group, 1, width)
+    mass = block_mass(hot, block_size)                                         # [B, max_blocks]
+    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
+    if probs.shape[-1] == width:
+        return
+    cold = heads[..., width:]                                                  # [Hkv, B, G, picks*bs]
+    if picks is None:
+        cold_mass = block_mass(cold.transpose(0, 1).reshape(num_seqs, num_kv * group, 1, -1), block_size)
+    else:
+        per_head = cold.reshape(num_kv, num_seqs, group, picks.shape[-1], block_size).sum(-1).amax(2)
+        columns = meta.cold.slot_table.shape[1]
+        spread = per_head.new_zeros(num_kv, num_seqs, columns).scatter_(2, picks, per_head)
+        cold_mass = spread.amax(0)                                             # [B, N]
+    meta.cold_mass = cold_mass if meta.cold_mass is None else meta.cold_mass + cold_mass
 
 
 def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, num_kv: int,
@@ -154,10 +213,11 @@ def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, 
     probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
 
 
-def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int,
-                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, and which of
-    their rows are real [Hkv*B, 1, C]. Sparse: per KV head, the top blocks by Quest bound."""
+def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, which of their
+    rows are real [Hkv*B, 1, C], and the slot-table columns each KV head read [Hkv, B, k]
+    (None: all). Sparse: per KV head, the top blocks by Quest bound."""
     head_dim = query.shape[-1]
     block_size = cold.pool.block_size
     table, valid = cold.slot_table, cold.valid                                    # [B, N]
@@ -170,7 +230,7 @@ def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs
         start = time.perf_counter()
         keys, values = cold.pool.gather_all_heads(layer, table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
         cold.dequant_seconds += time.perf_counter() - start
-        picked_valid = heads_valid
+        picked_valid, top = heads_valid, None
         cold.selected_blocks += int(valid.sum()) * num_kv
     else:
         lo, hi = cold.pool.summaries(layer)                                       # [Hkv, S, D]
@@ -193,4 +253,4 @@ def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs
     values = values.reshape(num_kv * num_seqs, picks * block_size, head_dim)
     rows_valid = picked_valid.unsqueeze(-1).expand(-1, -1, -1, block_size) \
         .reshape(num_kv * num_seqs, 1, picks * block_size)
-    return keys, values, rows_valid
+    return keys, values, rows_valid, top

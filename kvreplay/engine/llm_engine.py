@@ -48,6 +48,7 @@ class EngineCounters:
     sparse_candidate_blocks: int = 0  # cold blocks that could have been
     dequant_seconds: float = 0.0      # time spent dequantizing cold blocks for attention
     decode_seconds: float = 0.0       # time of steps that decoded (the share's denominator)
+    hot_blocks_read: int = 0          # hot blocks decode attention read (per layer and KV head)
 
 
 class LLMEngine:
@@ -81,14 +82,17 @@ class LLMEngine:
                                    config.watermark_levels, config.pause_mode,
                                    block_bytes=self.kv_bytes_per_token * config.block_size,
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
-                                   trim=config.trim, approx_prefill=config.approx_prefill)
+                                   trim=config.trim, approx_prefill=config.approx_prefill,
+                                   heavy_tokens=config.heavy_tokens, trim_order=config.trim_order,
+                                   resident_ratio=config.resident_ratio)
         if config.need_layer_set and max(config.need_layer_set) >= cfg.num_layers:
             raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
                              f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=config.need_layer_set,
                                   need_top_blocks=config.need_top_blocks,
-                                  sparse_budget=config.sparse_budget, dense_layers=config.dense_layers)
+                                  sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
+                                  observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes)
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -115,11 +119,13 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,
-                    protected_tokens: int = 0) -> str:
+                    protected_tokens: int = 0, hot_from: int | None = None) -> str:
         """Queue a prompt. Raises ValueError/TypeError for input the engine cannot serve.
 
         `protected_tokens`: the first tokens of the prompt (e.g. the system message) are a
-        protected zone: pinned, kept through a pause; so are the first `sink_tokens`."""
+        protected zone: pinned, kept through a pause; so are the first `sink_tokens`.
+        `hot_from`: a prompt position from which the cold presets keep every block hot (a
+        chat's last rounds); None for none."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -151,6 +157,10 @@ class LLMEngine:
         if protected_tokens > num_prompt:
             raise ValueError(f"protected_tokens={protected_tokens:,} is longer than the prompt "
                              f"({num_prompt:,} tokens): protect a prefix of the prompt")
+        if hot_from is not None and (isinstance(hot_from, bool) or not isinstance(hot_from, int)
+                                     or not 0 <= hot_from <= num_prompt):
+            raise ValueError(f"hot_from must be None or a prompt position in [0, {num_prompt}], "
+                             f"got {hot_from!r}")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -165,6 +175,7 @@ class LLMEngine:
             seq = Sequence(request_id, token_ids, params, self.eos_token_ids, generator, branch)
             seq.max_tokens = max_tokens
             seq.pinned_tokens = min(num_prompt, max(protected_tokens, self.config.sink_tokens))
+            seq.hot_from = hot_from
             seqs.append(seq)
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
@@ -215,6 +226,7 @@ class LLMEngine:
         cold = self.runner.last_cold
         if batch.decodes:
             self.counters.decode_seconds += time.perf_counter() - started
+            self.counters.hot_blocks_read += self.runner.last_hot_reads
         if cold is not None:
             self.counters.sparse_selected_blocks += cold.selected_blocks
             self.counters.sparse_candidate_blocks += cold.candidate_blocks

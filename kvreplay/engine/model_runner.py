@@ -7,6 +7,7 @@ from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProb
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import Sequence
+from kvreplay.kv.importance import OBSERVED_QUERIES
 from kvreplay.kv.manager import DROPPED
 from kvreplay.models.llama import LlamaModel
 
@@ -14,7 +15,7 @@ from kvreplay.models.llama import LlamaModel
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
                  need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0,
-                 need_layers: frozenset[int] | None = None):
+                 need_layers: frozenset[int] | None = None, observe_importance: bool = False):
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -23,7 +24,9 @@ class ModelRunner:
         self.need_layers = need_layers
         self.sparse_budget_blocks = None if sparse_budget is None else sparse_budget // kv.block_size
         self.dense_layers = dense_layers
+        self.observe_importance = observe_importance  # feed kv.importance (policies that trim)
         self.last_cold: ColdAttention | None = None  # the cold-tier reads of the last run
+        self.last_hot_reads = 0  # hot blocks its decode attention read (per layer and KV head)
         # After each run: the decoding sequences the need detector looked at, and the largest
         # share of attention any of their dropped blocks would have taken.
         self.probed: list[Sequence] = []
@@ -45,6 +48,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         self.probed, self.probed_mass = [], []
+        self.last_hot_reads = 0
 
         if batch.decodes:
             # Decode attends to resident blocks only, in any order: keys carry their positions
@@ -66,6 +70,8 @@ class ModelRunner:
                 logit_rows.append(row)
                 sampled.append(seq)
             meta.num_decode_tokens = len(tables)
+            cfg = self.model.config
+            self.last_hot_reads = sum(map(len, tables)) * cfg.num_layers * cfg.num_kv_heads
             meta.decode_block_tables = padded.to(self.device)
             padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
             num_kv = self.model.config.num_kv_heads
@@ -74,7 +80,9 @@ class ModelRunner:
                 meta.probe = self._probe(batch.decodes)
             if self.kv.cold_pool is not None:
                 meta.cold = self._cold(batch.decodes)
+            meta.observe_decode = self.observe_importance
         self.last_cold = meta.cold
+        observed = []  # (sequence, table indices of its gathered blocks, prefill slice)
 
         chunks = [(seq, seq.num_computed_tokens, chunk, True) for seq, chunk in batch.prefills]
         chunks += [(r.seq, r.start, r.num_tokens, False) for r in batch.replays]
@@ -85,10 +93,15 @@ class ModelRunner:
             positions.append(torch.arange(start, end))
             full_table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
             slots.append(self._slots(full_table, start, end))
-            meta.prefills.append(self._prefill_slice(full_table, start, end, row))
+            piece = self._prefill_slice(full_table, start, end, row)
+            meta.prefills.append(piece)
             if may_sample and end == seq.num_tokens:
                 logit_rows.append(row + chunk - 1)
                 sampled.append(seq)
+                if self.observe_importance:  # a prompt's last queries: what it will ask about
+                    piece.observe = OBSERVED_QUERIES
+                    gathered = full_table[:-(-end // block_size)]
+                    observed.append((seq, (gathered != DROPPED).nonzero().flatten(), piece))
 
         meta.slot_mapping = torch.cat(slots).to(self.device)
         logits = self.model.forward(
@@ -97,7 +110,27 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=self.device))
         if meta.probe is not None and meta.probe.max_mass is not None:
             self.probed_mass = meta.probe.max_mass.tolist()
+        self._record_importance(batch.decodes, meta, observed)
         return logits, sampled
+
+    def _record_importance(self, decodes: list[Sequence], meta: AttentionMetadata,
+                           observed: list[tuple[Sequence, torch.Tensor, PrefillSlice]]) -> None:
+        """Hand the block mass the attention observed to the KV manager's importance store."""
+        importance = self.kv.importance
+        for seq, indices, piece in observed:
+            if piece.mass is not None:
+                importance.observe(seq.seq_id, indices, piece.mass[:len(indices)])
+        if meta.decode_mass is None:
+            return
+        hot_mass = meta.decode_mass.cpu()
+        cold_mass = None if meta.cold_mass is None else meta.cold_mass.cpu()
+        for row, seq in enumerate(decodes):
+            table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
+            hot = (table != DROPPED).nonzero().flatten()
+            importance.observe(seq.seq_id, hot, hot_mass[row, :len(hot)])
+            if cold_mass is not None:
+                cold = torch.tensor(self.kv.cold_blocks(seq.seq_id), dtype=torch.long)
+                importance.observe(seq.seq_id, cold, cold_mass[row, :len(cold)])
 
     def _prefill_slice(self, full_table: torch.Tensor, start: int, end: int, row: int) -> PrefillSlice:
         """Attention of positions [start, end) to everything before them that is resident.

@@ -63,8 +63,13 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
                  watermarks: Watermarks = Watermarks(), pause_mode: str = "protected",
                  block_bytes: int = 1, policy: KVPolicy = POLICIES["full"],
-                 window_tokens: int = 512, trim: str = "pressure", approx_prefill: bool = False):
+                 window_tokens: int = 512, trim: str = "pressure", approx_prefill: bool = False,
+                 heavy_tokens: int = 0, trim_order: str = "importance",
+                 resident_ratio: float | None = None):
         self.kv = kv
+        self.resident_ratio = resident_ratio
+        self.heavy_blocks = heavy_tokens // kv.block_size
+        self.by_importance = trim_order == "importance"
         self.policy = policy
         self.window_tokens = window_tokens
         self.trim = trim
@@ -234,19 +239,30 @@ class Scheduler:
         seq.last_replay_step = self.num_steps
 
     def _middle(self, seq: Sequence) -> list[int]:
-        """Hot middle blocks of `seq` that dropping would free."""
+        """Hot middle blocks of `seq` that dropping would free, less its heavy hitters (the
+        `heavy_tokens` worth of middle blocks with the most observed attention)."""
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
             return []
+        hot_from = seq.hot_from if self.policy.demotes else None
         blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, self.window_tokens,
-                                    self.kv.block_size)
-        return self.kv.droppable(seq.seq_id, blocks)
+                                    self.kv.block_size, hot_from)
+        middle = self.kv.droppable(seq.seq_id, blocks)
+        heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
+        return [index for index in middle if index not in heavy]
+
+    def _trim_keys(self, seq: Sequence, indices: list[int], cold: int) -> list[tuple]:
+        """Reclaim order: sequences that replayed recently last; hot blocks before cold ones;
+        then the least observed attention (trim_order="importance") or the oldest block."""
+        scores = self.kv.importance.scores(seq.seq_id, indices) if self.by_importance else [0.0] * len(indices)
+        return [((seq.last_replay_step, cold, score, index, seq.seq_id), seq)
+                for score, index in zip(scores, indices)]
 
     def _trim_for_room(self, num_blocks: int, exclude: set[int] = frozenset(),
                        target_used: int | None = None) -> bool:
         """Take middle blocks out of the hot tier until `num_blocks` are free (or usage reaches
         `target_used`): hot middle blocks first (demoted to cold, or dropped), then cold ones
-        (dropped); oldest positions first; sequences that replayed most recently last. True if
-        anything moved."""
+        (dropped); least observed attention (or oldest) first; sequences that replayed most
+        recently last. True if anything moved."""
         if not (self.policy.drops_middle or self.policy.demotes):
             return False
         drops_cold = self.policy.drops_middle and self.policy.demotes
@@ -254,13 +270,12 @@ class Scheduler:
         for seq in self.running:
             if seq.seq_id in exclude or not self._trimmable(seq):
                 continue
-            candidates += [(seq.last_replay_step, 0, index, seq.seq_id, seq) for index in self._middle(seq)]
+            candidates += self._trim_keys(seq, self._middle(seq), 0)
             if drops_cold and seq.beam is None:
-                candidates += [(seq.last_replay_step, 1, index, seq.seq_id, seq)
-                               for index in self.kv.cold_blocks(seq.seq_id)]
-        candidates.sort(key=lambda c: c[:4])
+                candidates += self._trim_keys(seq, self.kv.cold_blocks(seq.seq_id), 1)
+        candidates.sort(key=lambda c: c[0])
         moved = False
-        for _, cold, index, _, seq in candidates:
+        for (_, cold, _, index, _), seq in candidates:
             if target_used is None and self.kv.num_free_blocks >= num_blocks:
                 break
             if target_used is not None and self.kv.num_used_blocks <= target_used:
@@ -303,6 +318,30 @@ class Scheduler:
             blocks = self._middle(seq)
             if blocks:
                 self._evict(seq, blocks)
+        if self.resident_ratio is not None and self.policy.drops_middle:
+            for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
+                if seq.num_uncomputed_tokens == 1 and not self._wants_replay(seq):
+                    self._fit_ratio(seq)
+
+    def _fit_ratio(self, seq: Sequence) -> None:
+        """Drop `seq`'s middle blocks, least important first (cold ones once the hot middle is
+        gone), until its resident KV (hot + cold + key index) is within `resident_ratio` of
+        the blocks `full` would hold for it."""
+        kv = self.kv
+        limit = self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
+        if kv.resident_bytes(seq.seq_id) <= limit:
+            return
+        candidates = self._trim_keys(seq, self._middle(seq), 0)
+        if self.policy.demotes:
+            candidates += self._trim_keys(seq, kv.cold_blocks(seq.seq_id), 1)
+        for (_, cold, _, index, _), _ in sorted(candidates, key=lambda c: c[0]):
+            if kv.resident_bytes(seq.seq_id) <= limit:
+                break
+            if cold:
+                kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
+            else:
+                kv.drop(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
+            seq.stats.dropped_tokens += kv.block_size
 
     # ------------------------------------------------------------------ memory pressure
     def _decode_growth(self) -> int:

@@ -65,6 +65,7 @@ class Sequence:
         self.needs_replay = False   # the need detector fired: replay dropped ranges, redo the step
         self.replaying = False      # a replay of dropped ranges is under way (counted once)
         self.last_replay_step = -1  # scheduler step of the last replay: trimmed last under pressure
+        self.hot_from: int | None = None  # first token of a chat's last rounds: kept hot by cold presets
         self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)

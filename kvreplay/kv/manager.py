@@ -30,6 +30,7 @@ import torch
 
 from kvreplay.kv.block_pool import BlockPool
 from kvreplay.kv.cold_pool import ColdPool
+from kvreplay.kv.importance import BlockImportance
 from kvreplay.kv.key_index import KeyIndex
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
 
@@ -84,6 +85,7 @@ class KVManager:
         self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
         self.peak_resident_bytes = 0
         self.peak_index_bytes = 0
+        self.importance = BlockImportance()  # observed attention mass per block
 
     # ------------------------------------------------------------------ queries
     @property
@@ -258,6 +260,7 @@ class KVManager:
         self._tables[child_id] = list(self._tables[parent_id])
         self._num_slots[child_id] = self._num_slots[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
+        self.importance.copy(parent_id, child_id)
 
     def pause(self, seq_id: int, keep_pinned: bool = True) -> int:
         """Drop `seq_id`'s blocks past its pinned head (all of them when not `keep_pinned`).
@@ -285,10 +288,11 @@ class KVManager:
         for state in (self._tables, self._num_slots, self._hashes, self._pinned_tokens, self._extra_keys):
             del state[seq_id]
         self._dropped.pop(seq_id, None)
+        self.importance.forget(seq_id)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
-        index_bytes = self.key_index.num_used * self.key_index.slot_bytes
+        index_bytes = self.index_bytes
         hot_bytes = (self.num_used_blocks - len(self._reserved)) * self.block_bytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, hot_bytes + index_bytes + self.cold_bytes)
         self.peak_index_bytes = max(self.peak_index_bytes, index_bytes)
@@ -298,6 +302,10 @@ class KVManager:
         """Peak bytes beside the hot tier: the key index (keys and summaries of dropped blocks)
         and the cold tier. The hot tier's own figure counts the blocks reserved for both."""
         return {"index": self.peak_index_bytes, "cold": self.peak_cold_bytes}
+
+    @property
+    def index_bytes(self) -> int:
+        return self.key_index.num_used * self.key_index.slot_bytes
 
     @property
     def cold_bytes(self) -> int:

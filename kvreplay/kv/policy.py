@@ -74,6 +74,7 @@ def pause_cost(dropped_tokens: int, freed_bytes: int) -> float:
 
 # ---------------------------------------------------------------------- presets (SPEC §6)
 TRIM_MODES = ("prefill", "pressure")
+TRIM_ORDERS = ("importance", "oldest")
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,16 @@ POLICIES = {
 
 
 def middle_block_range(num_tokens: int, pinned_tokens: int, window_tokens: int,
-                       block_size: int) -> range:
+                       block_size: int, hot_from: int | None = None) -> range:
     """Block indices of a sequence's middle zone: whole blocks after the pinned head (protected
-    span and sinks) and entirely older than the last `window_tokens` tokens.
+    span and sinks) and entirely older than the last `window_tokens` tokens (and than
+    `hot_from`, the first token of a chat's last rounds, when given).
 
         | pinned head | middle (may be dropped)           | window (always hot) |
         0      ceil(pinned/bs)              floor((num_tokens - window)/bs)    num_tokens
     """
     first = -(-pinned_tokens // block_size)
     last = max(0, num_tokens - window_tokens) // block_size
+    if hot_from is not None:
+        last = min(last, hot_from // block_size)
     return range(first, max(first, last))

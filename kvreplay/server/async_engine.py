@@ -143,10 +143,13 @@ class AsyncEngine:
                     token_ids = self.llm.chat_prompt_ids(prompt) if chat else self.engine.tokenize(prompt)
                     # a chat's system message is a protected zone, as in LLM.chat
                     protected = self.llm.system_span_tokens(prompt) if chat else 0
+                    # ... and its last rounds stay in full precision under the cold presets
+                    hot_from = self.llm.recent_rounds_start(prompt) if chat else None
                 except jinja2.TemplateError as exc:
                     raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
                 self.engine.add_request(token_ids, self._default_max_tokens(params, len(token_ids)),
-                                        request_id=request_id, stream=stream, protected_tokens=protected)
+                                        request_id=request_id, stream=stream, protected_tokens=protected,
+                                        hot_from=hot_from)
                 self._sinks[request_id] = sink
                 added.append(request_id)
         except BaseException:
@@ -256,7 +259,8 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_blocks=engine.kv.num_blocks, num_used_blocks=engine.kv.num_used_blocks,
             num_running=engine.num_running, num_waiting=engine.num_waiting,
-            num_index_blocks=engine.kv.num_reserved_blocks,
+            num_index_blocks=engine.kv.num_reserved_blocks, block_bytes=engine.kv.block_bytes,
+            index_bytes=engine.kv.index_bytes, cold_bytes=engine.kv.cold_bytes,
             counters=dataclasses.asdict(engine.counters), request_stats=dict(self._stats_totals))
 
 

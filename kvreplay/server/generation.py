@@ -21,7 +21,10 @@ class EngineSnapshot:
     """What the metrics read, published by the engine thread after each step."""
     num_blocks: int = 0
     num_used_blocks: int = 0   # of which num_index_blocks stand for the key index's bytes
-    num_index_blocks: int = 0
+    num_index_blocks: int = 0  # pool blocks reserved for the key index's and cold tier's bytes
+    block_bytes: int = 1
+    index_bytes: int = 0       # key index (dropped blocks' int4 keys and summaries)
+    cold_bytes: int = 0        # cold tier (quantized blocks)
     num_running: int = 0
     num_waiting: int = 0
     counters: dict = field(default_factory=dict)        # EngineCounters fields

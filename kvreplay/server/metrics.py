@@ -27,6 +27,13 @@ _ENGINE_COUNTERS = {
     "requests_aborted": ("requests_aborted", "Engine requests aborted (client gone, shutdown)"),
     "need_checks": ("need_checks", "Decode rows the replay need detector examined"),
     "need_fires": ("need_fires", "Decode steps redone after the need detector asked for a replay"),
+    "sparse_selected_blocks": ("sparse_selected_blocks",
+                               "Cold blocks decode attention read (per layer and KV head)"),
+    "sparse_candidate_blocks": ("sparse_candidate_blocks",
+                                "Cold blocks decode attention could have read (per layer and KV head)"),
+    "hot_blocks_read": ("hot_blocks_read", "Hot blocks decode attention read (per layer and KV head)"),
+    "dequant_seconds": ("dequant_seconds", "Seconds spent dequantizing cold blocks for attention"),
+    "decode_seconds": ("decode_seconds", "Seconds of engine steps that decoded"),
 }
 # metric name -> (RequestStats field, help)
 _REQUEST_STAT_COUNTERS = {
@@ -53,12 +60,25 @@ class _EngineCollector:
                                   labels=["tier"])
         total = snap.num_blocks or 1
         usage.add_metric(["hot"], (snap.num_used_blocks - snap.num_index_blocks) / total)
-        usage.add_metric(["index"], snap.num_index_blocks / total)
+        usage.add_metric(["index"], snap.index_bytes / (total * snap.block_bytes))
+        usage.add_metric(["cold"], snap.cold_bytes / (total * snap.block_bytes))
         yield usage
+        counters = snap.counters
+        selected, candidates = counters.get("sparse_selected_blocks", 0), counters.get("sparse_candidate_blocks", 0)
+        hot_reads, decode_seconds = counters.get("hot_blocks_read", 0), counters.get("decode_seconds", 0.0)
+        yield GaugeMetricFamily("kvreplay_sparse_hit_rate",
+                                "Cold blocks read / cold blocks that could have been (0 before any)",
+                                value=selected / candidates if candidates else 0.0)
+        yield GaugeMetricFamily("kvreplay_hot_cold_access_ratio",
+                                "Hot block reads per cold block read in decode attention (0 before any cold read)",
+                                value=hot_reads / selected if selected else 0.0)
+        yield GaugeMetricFamily("kvreplay_dequant_time_share",
+                                "Share of decode-step time spent dequantizing cold blocks",
+                                value=counters.get("dequant_seconds", 0.0) / decode_seconds if decode_seconds else 0.0)
         blocks = GaugeMetricFamily("kvreplay_kv_blocks", "KV blocks per tier and state",
                                    labels=["tier", "state"])
         blocks.add_metric(["hot", "used"], snap.num_used_blocks - snap.num_index_blocks)
-        blocks.add_metric(["index", "used"], snap.num_index_blocks)
+        blocks.add_metric(["reserved", "used"], snap.num_index_blocks)
         blocks.add_metric(["hot", "free"], snap.num_blocks - snap.num_used_blocks)
         yield blocks
         yield GaugeMetricFamily("kvreplay_num_requests_running", "Sequences in the running batch",

@@ -1,0 +1,79 @@
+"""Observed attention mass per block: the importance signal that orders demotion and dropping.
+
+Two cheap observations feed it (SPEC §4 reclaim order; H2O and SnapKV in the literature):
+
+- prefill: when a prompt's last chunk runs, its last `OBSERVED_QUERIES` queries (the question at
+  the end of a pasted document, the latest user turn) are scored against every key the chunk
+  attends to, in every layer;
+- decode: every decode step's attention probabilities over the hot blocks and the cold blocks it
+  read, in every layer.
+
+A block's score adds, per layer, the largest mass any query head put on it at any observed
+query: a block that one retrieval head reads for one query scores high even when every other
+head and query ignore it (a sum over the prompt's last queries ranked a planted fact's block
+lower: the question's other tokens spread their mass over the text around it). Scores only
+grow (H2O's accumulated mass), so a block that mattered once keeps its rank; the prefill and
+each decode step add at most one unit per layer.
+
+The KV manager owns the store (it forgets a sequence with its blocks); the model runner writes
+observations; the scheduler reads scores when it picks blocks to keep hot, demote or drop.
+"""
+from __future__ import annotations
+
+import torch
+
+OBSERVED_QUERIES = 32  # SnapKV's observation window: the last queries of a prompt
+
+
+class BlockImportance:
+    """Accumulated attention mass per (sequence, block index), grown on demand."""
+
+    def __init__(self):
+        self._mass: dict[int, torch.Tensor] = {}  # seq -> [capacity] float32, by table index
+
+    def observe(self, seq_id: int, block_indices: torch.Tensor, mass: torch.Tensor) -> None:
+        """Add `mass[i]` to block `block_indices[i]` of `seq_id` (both 1-D, same length)."""
+        if len(block_indices) == 0:
+            return
+        block_indices = block_indices.to("cpu", torch.long)
+        need = int(block_indices.max()) + 1
+        scores = self._mass.get(seq_id)
+        if scores is None or len(scores) < need:
+            grown = torch.zeros(max(need, 2 * (0 if scores is None else len(scores)), 16))
+            if scores is not None:
+                grown[:len(scores)] = scores
+            scores = self._mass[seq_id] = grown
+        scores.index_add_(0, block_indices, mass.detach().to("cpu", torch.float32))
+
+    def scores(self, seq_id: int, block_indices: list[int]) -> list[float]:
+        """The accumulated mass of each block (0 for a block never observed)."""
+        scores = self._mass.get(seq_id)
+        if scores is None:
+            return [0.0] * len(block_indices)
+        values = scores.tolist()
+        return [values[i] if i < len(values) else 0.0 for i in block_indices]
+
+    def most_important(self, seq_id: int, block_indices: list[int], count: int) -> set[int]:
+        """The `count` blocks of `block_indices` with the most mass (ties: the older block)."""
+        if count <= 0 or not block_indices:
+            return set()
+        scored = sorted(zip(self.scores(seq_id, block_indices), block_indices), key=lambda s: (-s[0], s[1]))
+        return {index for _, index in scored[:count]}
+
+    def copy(self, parent_id: int, child_id: int) -> None:
+        if parent_id in self._mass:
+            self._mass[child_id] = self._mass[parent_id].clone()
+
+    def forget(self, seq_id: int) -> None:
+        self._mass.pop(seq_id, None)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._mass
+
+
+def block_mass(probs: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Attention probabilities [..., heads, queries, keys] (keys a whole number of blocks) ->
+    [..., blocks]: per block, the largest mass any head put on it at any of the queries."""
+    *lead, heads, queries, keys = probs.shape
+    per_block = probs.reshape(*lead, heads, queries, keys // block_size, block_size).sum(-1)
+    return per_block.flatten(-3, -2).amax(-2)
