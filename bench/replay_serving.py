@@ -16,7 +16,8 @@ Reported per policy:
 Usage:
     python bench/replay_serving.py [--requests 16] [--prompt-tokens 3000] [--output-tokens 64]
         [--full-holds 4] [--policies full,replay] [--window-tokens 256] [--trim prefill]
-        [--replay-threshold 0.8] [--threads 2] [--json out.json]
+        [--replay-threshold 0.8] [--need-layers 20-23] [--heavy-tokens 32] [--resident-ratio 0.25]
+        [--threads 2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
     from kvreplay import LLM, SamplingParams
     llm = LLM(dtype=args.dtype, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
-              need_layers=args.need_layers,
-              max_num_seqs=args.max_num_seqs)
+              need_layers=args.need_layers, heavy_tokens=args.heavy_tokens,
+              resident_ratio=args.resident_ratio, max_num_seqs=args.max_num_seqs)
     engine = llm.engine
     batches = []
     schedule = engine.scheduler.schedule
@@ -104,6 +105,10 @@ def main(argv=None) -> None:
     parser.add_argument("--replay-threshold", type=float, default=0.8)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--need-layers", default=None, help="e.g. 20-23 (default: all layers)")
+    parser.add_argument("--heavy-tokens", type=int, default=0,
+                        help="middle tokens with the most observed attention kept hot (default: 0)")
+    parser.add_argument("--resident-ratio", type=float, default=None,
+                        help="cap each decoding sequence's resident KV at this share of full's")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json")

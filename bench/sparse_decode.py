@@ -10,6 +10,10 @@ Usage:
     python bench/sparse_decode.py [--context 6144] [--batch 4] [--steps 16]
         [--configs full,sparse:int8:none,sparse:int8:1024,sparse:int4:1024,sparse:fp8:1024]
         [--window-tokens 512] [--threads 2] [--json out.json]
+
+A config is `policy:cold_dtype:sparse_budget[:resident_ratio]`; a fourth field caps each
+sequence's resident KV (replay+cold drops its least important cold blocks; the need detector
+then reads layers 20-23), e.g. `replay+cold:int8:1024:0.5`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ def run_config(spec: str, prompts: list[list[int]], args) -> dict:
     knobs = {}
     if policy != "full":
         knobs = {"cold_dtype": parts[1], "sparse_budget": None if parts[2] == "none" else int(parts[2])}
+    if len(parts) > 3:  # replay+cold:int8:1024:0.5 -> a per-sequence resident cap
+        knobs |= {"resident_ratio": float(parts[3]), "need_layers": "20-23"}
     tokens = args.batch * (args.context + args.steps + 2)
     llm = LLM(dtype="bfloat16", kv_cache_memory=int(tokens * 23040 * 1.3), policy=policy,
               window_tokens=args.window_tokens, enable_prefix_caching=False, **knobs)
