@@ -249,3 +249,18 @@ def test_resident_ratio_caps_each_decoding_sequence(corpus):
     assert same >= 10, (out.token_ids, reference.token_ids)  # measured: 11 of 12
     with pytest.raises(ValueError, match="resident_ratio"):
         LLM(dtype="float32", kv_cache_memory="16MiB", resident_ratio=1.5)
+
+
+def test_resident_ratio_waits_after_a_replay_instead_of_replaying_every_token(corpus, llm32):
+    """Always-replay (threshold 0) with a resident cap: the replayed middle is kept for
+    RETRIM_AFTER_STEPS steps, so 12 tokens cost one replay (trimming right after the redone step
+    made the detector fire again at every token) and the output equals full's exactly."""
+    from kvreplay.engine.scheduler import RETRIM_AFTER_STEPS
+    assert RETRIM_AFTER_STEPS > 12
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", policy="replay", trim="prefill", window_tokens=128,
+              replay_threshold=0.0, resident_ratio=0.3, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = corpus[9000:10000]
+    out = llm.generate(prompt, params, on_step=_check(llm)).outputs[0]
+    assert out.stats.dropped_tokens > 500 and out.stats.replays == 1, out.stats
+    assert out.token_ids == llm32.generate(prompt, params).outputs[0].token_ids

@@ -34,6 +34,9 @@ from kvreplay.kv.policy import POLICIES, KVPolicy, Watermarks, middle_block_rang
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 
 
+RETRIM_AFTER_STEPS = 32  # steps after its last replay before resident_ratio trims a sequence again
+
+
 @dataclass
 class ReplayChunk:
     """Dropped blocks `block_indices` of `seq`, recomputed at positions [start, start + num_tokens)."""
@@ -320,13 +323,17 @@ class Scheduler:
                 self._evict(seq, blocks)
         if self.resident_ratio is not None and self.policy.drops_middle:
             for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
-                if seq.num_uncomputed_tokens == 1 and not self._wants_replay(seq):
+                replayed_lately = seq.last_replay_step >= 0 and \
+                    self.num_steps - seq.last_replay_step <= RETRIM_AFTER_STEPS
+                if seq.num_uncomputed_tokens == 1 and not self._wants_replay(seq) and not replayed_lately:
                     self._fit_ratio(seq)
 
     def _fit_ratio(self, seq: Sequence) -> None:
         """Drop `seq`'s middle blocks, least important first (cold ones once the hot middle is
         gone), until its resident KV (hot + cold + key index) is within `resident_ratio` of
-        the blocks `full` would hold for it."""
+        the blocks `full` would hold for it. A sequence that replayed in the last
+        `RETRIM_AFTER_STEPS` steps keeps its replayed middle: trimming it at once let the need
+        detector fire again at the next step, one replay per token."""
         kv = self.kv
         limit = self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
         if kv.resident_bytes(seq.seq_id) <= limit:
