@@ -125,6 +125,7 @@ class ModelRunner:
         hot_mass = meta.decode_mass.cpu()
         cold_mass = None if meta.cold_mass is None else meta.cold_mass.cpu()
         for row, seq in enumerate(decodes):
+            # hot_mass columns follow resident_blocks(): the table's non-dropped entries
             table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
             hot = (table != DROPPED).nonzero().flatten()
             importance.observe(seq.seq_id, hot, hot_mass[row, :len(hot)])

@@ -284,8 +284,7 @@ class Scheduler:
             if target_used is not None and self.kv.num_used_blocks <= target_used:
                 break
             if cold:
-                self.kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
-                seq.stats.dropped_tokens += self.kv.block_size
+                self._drop_cold(seq, index)
             else:
                 self._evict(seq, [index])
             moved = True
@@ -297,6 +296,11 @@ class Scheduler:
         if self._wants_replay(seq) or seq.seq_id in self._chunked:
             return False
         return seq.num_uncomputed_tokens == 1 or self.approx_prefill
+
+    def _drop_cold(self, seq: Sequence, index: int) -> None:
+        """A cold block leaves the cold tier: dropped (its keys kept in the key index)."""
+        self.kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
+        seq.stats.dropped_tokens += self.kv.block_size
 
     def _evict(self, seq: Sequence, block_indices: list[int]) -> None:
         """Hot middle blocks leave the hot tier: demoted to cold, or dropped."""
@@ -345,10 +349,10 @@ class Scheduler:
             if kv.resident_bytes(seq.seq_id) <= limit:
                 break
             if cold:
-                kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
+                self._drop_cold(seq, index)
             else:
                 kv.drop(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
-            seq.stats.dropped_tokens += kv.block_size
+                seq.stats.dropped_tokens += kv.block_size
 
     # ------------------------------------------------------------------ memory pressure
     def _decode_growth(self) -> int:
