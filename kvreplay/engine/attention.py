@@ -180,14 +180,17 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     probs: [Hkv*B, G, width + cold keys]; picks: [Hkv, B, k] cold-table columns read per KV
     head (sparse), None when every cold block was read."""
     heads = probs.view(num_kv, num_seqs, group, -1)
-    hot = heads[..., :width].transpose(0, 1).reshape(num_seqs, num_kv * group, 1, width)
-    mass = block_mass(hot, block_size)                                         # [B, max_blocks]
+
+    def per_row(keys: torch.Tensor) -> torch.Tensor:  # [Hkv, B, G, L] -> [B, L / bs]
+        return block_mass(keys.transpose(0, 1).reshape(num_seqs, num_kv * group, 1, -1), block_size)
+
+    mass = per_row(heads[..., :width])                                         # [B, max_blocks]
     meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
     if probs.shape[-1] == width:
         return
     cold = heads[..., width:]                                                  # [Hkv, B, G, picks*bs]
     if picks is None:
-        cold_mass = block_mass(cold.transpose(0, 1).reshape(num_seqs, num_kv * group, 1, -1), block_size)
+        cold_mass = per_row(cold)
     else:
         per_head = cold.reshape(num_kv, num_seqs, group, picks.shape[-1], block_size).sum(-1).amax(2)
         columns = meta.cold.slot_table.shape[1]
