@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvreplay.engine.attention import AttentionMetadata, paged_attention
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.linear import Projection
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,26 +40,29 @@ class LlamaModel:
 
         self.embed_tokens = take("model.embed_tokens.weight")  # [V, hidden]
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings or "lm_head.weight" not in weights \
-            else take("lm_head.weight")
+        # A tied head is packed into its own copy: the embedding lookup needs the plain matrix.
+        self.lm_head = Projection(self.embed_tokens if config.tie_word_embeddings
+                                  or "lm_head.weight" not in weights else take("lm_head.weight"))
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
+                                  take(attn + "v_proj.bias")])
             layer = {
                 "input_norm": take(prefix + "input_layernorm.weight"),
                 "post_norm": take(prefix + "post_attention_layernorm.weight"),
                 # Fused projections: one matmul instead of three (q, k, v) and two (gate, up).
-                "qkv": torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                  take(attn + "v_proj.weight")]),
-                "o": take(attn + "o_proj.weight"),
-                "gate_up": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-                "down": take(mlp + "down_proj.weight"),
-                "qkv_bias": None, "q_norm": None, "k_norm": None,
+                "qkv": Projection(torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
+                                             take(attn + "v_proj.weight")]), bias),
+                "o": Projection(take(attn + "o_proj.weight")),
+                "gate_up": Projection(torch.cat([take(mlp + "gate_proj.weight"),
+                                                 take(mlp + "up_proj.weight")])),
+                "down": Projection(take(mlp + "down_proj.weight")),
+                "q_norm": None, "k_norm": None,
             }
-            if config.attention_bias:
-                layer["qkv_bias"] = torch.cat([take(attn + "q_proj.bias"), take(attn + "k_proj.bias"),
-                                               take(attn + "v_proj.bias")])
             if config.qk_norm:
                 layer["q_norm"] = take(attn + "q_norm.weight")
                 layer["k_norm"] = take(attn + "k_norm.weight")
@@ -98,7 +102,7 @@ class LlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches):
             residual = hidden
             x = rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])  # [T, q_size + 2 kv_size]
+            qkv = layer["qkv"](x)  # [T, q_size + 2 kv_size]
             qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
             if layer["q_norm"] is not None:
@@ -107,12 +111,12 @@ class LlamaModel:
             qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated in one pass
             q, k = qk[:, :num_q], qk[:, num_q:]
             attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, num_q, D]
-            hidden = residual + F.linear(attn.reshape(num_tokens, q_size), layer["o"])
+            hidden = residual + layer["o"](attn.reshape(num_tokens, q_size))
             residual = hidden
             x = rms_norm(hidden, layer["post_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            hidden = residual + layer["down"](F.silu(gate) * up)
         if logit_indices is not None:
             hidden = hidden[logit_indices]
         hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
