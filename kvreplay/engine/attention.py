@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,12 @@ class NeedProbe:
     layer: int = 0
     max_mass: torch.Tensor | None = None  # [R] largest block share seen in any layer and head
 
+    def next_layer(self) -> int | None:
+        """Move on to the next layer; its index when the detector reads it, else None."""
+        layer = self.layer
+        self.layer += 1
+        return layer if self.layers is None or layer in self.layers else None
+
 
 @dataclass
 class ColdAttention:
@@ -72,6 +78,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] resident blocks, padded with block 0
     decode_padding: torch.Tensor | None = None       # [Hkv*B, 1, max_blocks * block_size] True past the context
+    decode_context: torch.Tensor | None = None       # [B] tokens each row attends to
+    # The compiled decode kernel (kvreplay.engine.cpu_kernels) when this step can use it (no
+    # cold tier); the PyTorch path below otherwise, with rows padded by decode_padding.
+    decode_kernel: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
@@ -123,6 +133,8 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     """One query per sequence. Plain batched matmuls: the CPU flash kernel is slow at q_len=1.
 
     The query heads sharing a KV head are stacked as rows, so K/V are never repeated."""
+    if meta.decode_kernel is not None:
+        return _kernel_decode(q, key_cache, value_cache, meta, scale)
     num_seqs, num_q, head_dim = q.shape
     num_kv = key_cache.shape[0]
     group = num_q // num_kv
@@ -142,8 +154,14 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         cold_scores.masked_fill_(~cold_valid, float("-inf"))
         scores = torch.cat([scores, cold_scores], dim=-1)
         values = torch.cat([values, cold_values], dim=1)
-    if meta.probe is not None:
-        _probe_dropped(meta.probe, query, scores, num_kv, num_seqs, group)
+    probe = meta.probe
+    layer = None if probe is None else probe.next_layer()
+    if layer is not None:
+        lse = scores.view(num_kv, num_seqs, group, -1).index_select(1, probe.rows) \
+            .logsumexp(-1).transpose(0, 1)                                        # [R, Hkv, G]
+        rows_query = query.view(num_kv, num_seqs, group, head_dim).index_select(1, probe.rows) \
+            .transpose(0, 1)                                                      # [R, Hkv, G, D]
+        _probe_dropped(probe, layer, rows_query, lse)
     probs = torch.softmax(scores, dim=-1)
     if meta.observe_decode:
         _observe_decode(meta, probs, width, num_kv, num_seqs, group, key_cache.shape[2], picks)
@@ -199,21 +217,34 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     meta.cold_mass = cold_mass if meta.cold_mass is None else meta.cold_mass + cold_mass
 
 
-def _probe_dropped(probe: NeedProbe, query: torch.Tensor, scores: torch.Tensor, num_kv: int,
-                   num_seqs: int, group: int) -> None:
-    """Estimate, for this layer, the largest attention share a dropped block would take."""
-    layer = probe.layer
-    probe.layer += 1
-    if probe.layers is not None and layer not in probe.layers:
-        return
-    head_dim = query.shape[-1]
-    lse = scores.view(num_kv, num_seqs, group, -1).index_select(1, probe.rows) \
-        .logsumexp(-1).transpose(0, 1)                                            # [R, Hkv, G]
-    rows_query = query.view(num_kv, num_seqs, group, head_dim).index_select(1, probe.rows) \
-        .transpose(0, 1)                                                          # [R, Hkv, G, D]
-    mass = probe.key_index.max_block_mass(layer, rows_query, probe.slot_table, probe.valid,
-                                          lse, probe.top_blocks)
+def _probe_dropped(probe: NeedProbe, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
+    """Estimate, for this layer, the largest attention share a dropped block would take.
+    query: [R, Hkv, G, D] scaled queries of the probed rows; lse: [R, Hkv, G] log-sum-exp of their
+    scores over the keys they attended to."""
+    mass = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
+                                          probe.top_blocks)
     probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
+
+
+def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode rows through the compiled kernel: each row reads its own blocks and length, and
+    hands back the log-sum-exp (need probe) and block mass (importance) when this layer wants them."""
+    num_seqs, num_q, head_dim = q.shape
+    num_kv = key_cache.shape[0]
+    probe = meta.probe
+    layer = None if probe is None else probe.next_layer()
+    out, lse, mass = meta.decode_kernel(q.contiguous(), key_cache, value_cache, meta.decode_block_tables,
+                                        meta.decode_context, scale, layer is not None,
+                                        meta.observe_decode)
+    if layer is not None:
+        heads = (num_seqs, num_kv, num_q // num_kv)
+        rows_query = (q * scale).view(*heads, head_dim).index_select(0, probe.rows)
+        _probe_dropped(probe, layer, rows_query, lse.view(*heads).index_select(0, probe.rows))
+    if meta.observe_decode:
+        mass = mass.amax(1)                                                        # [B, max_blocks]
+        meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
+    return out
 
 
 def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int

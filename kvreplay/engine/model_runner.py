@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
@@ -31,6 +32,8 @@ class ModelRunner:
         # share of attention any of their dropped blocks would have taken.
         self.probed: list[Sequence] = []
         self.probed_mass: list[float] = []
+        # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
+        self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -73,14 +76,18 @@ class ModelRunner:
             cfg = self.model.config
             self.last_hot_reads = sum(map(len, tables)) * cfg.num_layers * cfg.num_kv_heads
             meta.decode_block_tables = padded.to(self.device)
-            padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
-            num_kv = self.model.config.num_kv_heads
-            meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
+            meta.decode_context = context.to(self.device)
             if self.detect_need:
                 meta.probe = self._probe(batch.decodes)
             if self.kv.cold_pool is not None:
                 meta.cold = self._cold(batch.decodes)
             meta.observe_decode = self.observe_importance
+            if self.decode_kernel is not None and meta.cold is None:
+                meta.decode_kernel = self.decode_kernel
+            else:  # the PyTorch path needs every row padded to the widest table, masked
+                padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
+                num_kv = self.model.config.num_kv_heads
+                meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
         self.last_cold = meta.cold
         observed = []  # (sequence, table indices of its gathered blocks, prefill slice)
 

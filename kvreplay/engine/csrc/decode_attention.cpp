@@ -1,0 +1,192 @@
+// Paged decode attention for CPU: one query token per sequence, reading K/V straight from the
+// block-paged cache (no gathered copy), fp32 softmax and accumulation, each row attending to
+// exactly its own context length (no padding to the longest row).
+//
+//   query        [B, Hq, D]              bf16 or fp32, contiguous
+//   key_cache    [Hkv, num_blocks, bs, D] same dtype (one layer's K); value_cache likewise
+//   block_tables [B, W] int64           row b's blocks in position order (padding never read)
+//   context_lens [B] int64              tokens row b attends to (its last block may be partial)
+//
+// Returns (out [B, Hq, D], lse [B, Hq] fp32, mass [B, Hkv, W] fp32). lse (log-sum-exp of the scaled
+// scores, for the need detector) and mass (per block, the largest share any of the KV head's G
+// query heads gives it, for the importance signal) are filled only when asked, else empty.
+//
+// Work is split over (sequence, KV head) pairs; the G = Hq / Hkv query heads that share a KV head
+// are scored together so each key and value row is widened to fp32 once.
+// Built on first use by kvreplay/engine/cpu_kernels.py; the pure PyTorch path in attention.py
+// computes the same thing and stays the reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Widen n values to fp32 (bf16 -> fp32 is a 16-bit shift; written so the compiler vectorizes it).
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen(const double* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
+
+struct Outputs {
+  float* lse = nullptr;   // [B, Hq] or null
+  float* mass = nullptr;  // [B, Hkv, W] or null
+};
+
+// One (sequence, KV head) pair: G query rows against the L keys and values listed by `table`.
+// FixedD > 0 makes the head size a compile-time constant (unrolled, vectorized dot products).
+// `scores` holds G * L floats, `buf` one widened block (bs * D floats).
+template <typename T, int FixedD>
+void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restrict vh,
+                const int64_t* __restrict table, int64_t L, int64_t G, int64_t head_dim, int64_t bs,
+                float scale, float* __restrict qf, float* __restrict acc, float* __restrict scores,
+                float* __restrict buf, T* __restrict o, float* __restrict lse, float* __restrict mass) {
+  const int64_t D = FixedD > 0 ? FixedD : head_dim;
+  widen(q, qf, G * D);
+  for (int64_t i = 0; i < G * D; ++i) { qf[i] *= scale; acc[i] = 0.f; }
+  const int64_t nblocks = (L + bs - 1) / bs;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {  // scores, one cache block at a time
+    const int64_t rows = std::min(bs, L - blk * bs);
+    widen(kh + table[blk] * bs * D, buf, rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* k = buf + r * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+        scores[g * L + blk * bs + r] = s;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax per query row, in fp32
+    float* sg = scores + g * L;
+    float m = sg[0];
+    for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+    if (lse) lse[g] = m + std::log(sum);
+  }
+  if (mass) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t rows = std::min(bs, L - blk * bs);
+      float best = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* sg = scores + g * L + blk * bs;
+        float share = 0.f;
+        for (int64_t r = 0; r < rows; ++r) share += sg[r];
+        best = std::max(best, share);
+      }
+      mass[blk] = best;
+    }
+  }
+  for (int64_t blk = 0; blk < nblocks; ++blk) {  // probabilities times values
+    const int64_t rows = std::min(bs, L - blk * bs);
+    widen(vh + table[blk] * bs * D, buf, rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* v = buf + r * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * L + blk * bs + r];
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T, int FixedD>
+void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
+                 T* out, Outputs extra, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB,
+                 int64_t bs, int64_t W, float scale) {
+  const int64_t head_stride = NB * bs * D;  // one KV head's slab of the cache
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, ctx[b]);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(2 * G * D + G * longest + bs * D);
+    float* qf = work.data();
+    float* acc = qf + G * D;
+    float* scores = acc + G * D;
+    float* buf = scores + G * longest;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t head = b * Hkv * G + h * G;  // query heads h*G .. h*G+G-1 of sequence b
+      attend_one<T, FixedD>(q + head * D, kc + h * head_stride, vc + h * head_stride, tables + b * W,
+                            ctx[b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
+                            extra.lse ? extra.lse + head : nullptr,
+                            extra.mass ? extra.mass + task * W : nullptr);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, bool want_lse,
+    bool want_mass) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, Hq, D], cache [Hkv, NB, bs, D]");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "contiguous inputs expected");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+              value_cache.scalar_type() == query.scalar_type() && value_cache.sizes() == key_cache.sizes(),
+              "query, key and value caches must share dtype (and the caches their shape)");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "int64 tables and lengths expected");
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t Hkv = key_cache.size(0), NB = key_cache.size(1), bs = key_cache.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && key_cache.size(3) == D, "head shapes disagree");
+  auto tables = block_tables.contiguous();
+  auto ctx = context_lens.contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && ctx.numel() == B, "one table row per query");
+  const int64_t W = tables.size(1);
+  if (B > 0) {
+    TORCH_CHECK(ctx.min().item<int64_t>() >= 1 && ctx.max().item<int64_t>() <= W * bs,
+                "context lengths must lie in [1, table width x block size]");
+    TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < NB,
+                "block ids outside the cache");
+  }
+  auto out = at::empty_like(query);
+  auto fp32 = query.options().dtype(at::kFloat);
+  auto lse = want_lse ? at::empty({B, Hq}, fp32) : at::empty({0}, fp32);
+  auto mass = want_mass ? at::zeros({B, Hkv, W}, fp32) : at::empty({0}, fp32);
+  Outputs extra;
+  if (want_lse) extra.lse = lse.data_ptr<float>();
+  if (want_mass) extra.mass = mass.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
+    auto run = [&](auto kernel) {
+      kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+             tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), extra, B,
+             Hkv, Hq / Hkv, D, NB, bs, W, static_cast<float>(scale));
+    };
+    if (D == 64) run(decode_rows<scalar_t, 64>);
+    else if (D == 128) run(decode_rows<scalar_t, 128>);
+    else run(decode_rows<scalar_t, 0>);
+  });
+  return {out, lse, mass};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvreplay_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, bool want_lse=False, bool want_mass=False) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+}

@@ -1,0 +1,153 @@
+"""The compiled CPU decode-attention kernel against the PyTorch decode path it replaces."""
+import shutil
+
+import pytest
+import torch
+
+from kvreplay.engine import cpu_kernels
+from kvreplay.engine.attention import AttentionMetadata, _decode_attention
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = cpu_kernels.decode_attention()
+    if kernel is None:
+        # With a compiler and ninja on the machine the build must work; without them it may not.
+        assert not (cpu_kernels.enabled() and shutil.which("c++") and shutil.which("ninja")), \
+            "the CPU kernel failed to build although a compiler and ninja exist (see the log)"
+        pytest.skip("no C++ toolchain here: the PyTorch decode path is used")
+    return kernel
+
+
+def _case(dtype, num_seqs, lengths, num_kv=3, group=3, head_dim=64, block_size=16, num_blocks=64,
+          seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    query = torch.randn(num_seqs, num_kv * group, head_dim, generator=gen).to(dtype)
+    width = max(-(-n // block_size) for n in lengths)
+    tables = torch.zeros(num_seqs, width, dtype=torch.long)  # padding entries point at block 0
+    for row, n in enumerate(lengths):
+        used = -(-n // block_size)
+        tables[row, :used] = torch.randperm(num_blocks, generator=gen)[:used]
+    context = torch.tensor(lengths, dtype=torch.long)
+    padding = torch.arange(width * block_size)[None, :] >= context[:, None]
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=num_seqs,
+                             decode_block_tables=tables,
+                             decode_padding=padding.repeat(num_kv, 1).unsqueeze(1))
+    return query, key_cache, value_cache, tables, context, meta
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (32, 4)])  # fixed and runtime sizes
+def test_kernel_matches_pytorch_path(op, dtype, tol, head_dim, group):
+    lengths = [1, 15, 16, 17, 100, 300, 47]  # partial and full last blocks, very unequal rows
+    query, keys, values, tables, context, meta = _case(dtype, len(lengths), lengths, group=group,
+                                                       head_dim=head_dim)
+    scale = head_dim ** -0.5
+    expected = _decode_attention(query, keys, values, meta, scale).float()
+    got, lse, mass = op(query, keys, values, tables, context, scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert (got.float() - expected).abs().max().item() < tol
+    assert lse.numel() == 0 and mass.numel() == 0  # not asked for
+
+
+def _reference(query, keys, values, tables, context, scale):
+    """fp32 attention row by row from the gathered blocks: out, log-sum-exp [B, Hq], and per KV head
+    and block the largest share any of its query heads gives the block [B, Hkv, W]."""
+    num_kv, _, block_size, head_dim = keys.shape
+    group = query.shape[1] // num_kv
+    outs, lses = [], []
+    mass = torch.zeros(query.shape[0], num_kv, tables.shape[1])
+    for row, n in enumerate(context.tolist()):
+        k = keys[:, tables[row]].reshape(num_kv, -1, head_dim)[:, :n].float()      # [Hkv, n, D]
+        v = values[:, tables[row]].reshape(num_kv, -1, head_dim)[:, :n].float()
+        q = query[row].float().view(num_kv, group, head_dim) * scale
+        scores = torch.einsum("hgd,hnd->hgn", q, k)
+        probs = scores.softmax(-1)
+        outs.append(torch.einsum("hgn,hnd->hgd", probs, v).reshape(-1, head_dim))
+        lses.append(scores.logsumexp(-1).flatten())
+        padded = torch.nn.functional.pad(probs, (0, -n % block_size))
+        shares = padded.view(num_kv, group, -1, block_size).sum(-1).amax(1)         # [Hkv, blocks]
+        mass[row, :, :shares.shape[1]] = shares
+    return torch.stack(outs), torch.stack(lses), mass
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_lse_and_block_mass(op, dtype, tol):
+    lengths = [3, 16, 40, 250]
+    query, keys, values, tables, context, _ = _case(dtype, len(lengths), lengths, seed=3)
+    out, lse, mass = op(query, keys, values, tables, context, 0.125, True, True)
+    want_out, want_lse, want_mass = _reference(query, keys, values, tables, context, 0.125)
+    assert (out.float() - want_out).abs().max().item() < tol
+    assert (lse - want_lse).abs().max().item() < 1e-4
+    assert (mass - want_mass).abs().max().item() < 1e-5
+    assert torch.all(mass[0, :, 1:] == 0)  # blocks past a row's context carry no mass
+
+
+def test_kernel_ignores_padding_blocks(op):
+    # Rows reach only their own context: changing what padding entries point at changes nothing.
+    query, keys, values, tables, context, _ = _case(torch.float32, 2, [5, 200])
+    before = op(query, keys, values, tables, context, 0.125)[0]
+    tables[0, 1:] = 7
+    assert torch.equal(op(query, keys, values, tables, context, 0.125)[0], before)
+
+
+def test_kernel_rejects_bad_inputs(op):
+    query, keys, values, tables, context, _ = _case(torch.float32, 2, [5, 20])
+    with pytest.raises(RuntimeError, match="context lengths"):
+        op(query, keys, values, tables, torch.tensor([0, 20]), 0.125)
+    with pytest.raises(RuntimeError, match="context lengths"):
+        op(query, keys, values, tables, torch.tensor([5, 33]), 0.125)  # past the table's blocks
+    bad = tables.clone()
+    bad[1, 0] = keys.shape[1]
+    with pytest.raises(RuntimeError, match="block ids"):
+        op(query, keys, values, bad, context, 0.125)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        op(query[:, :4].contiguous(), keys, values, tables, context, 0.125)  # 4 heads over 3 KV heads
+
+
+@pytest.mark.slow
+def test_engine_decodes_through_kernel_and_matches_pytorch_path(op, llm32, monkeypatch):
+    """fp32 greedy decoding through the kernel equals the PyTorch path token for token (the
+    transformers reference tests run through the kernel too), and the importance it records
+    (block mass) equals the PyTorch path's."""
+    from kvreplay import SamplingParams
+    engine = llm32.engine
+    runner = engine.runner
+    assert runner.decode_kernel is op
+    calls = []
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The history of the printing press begins in East Asia, where woodblock printing "
+               "was used on cloth and later on paper; movable type followed centuries later. "
+               "Summarize this in one sentence:", "List three prime numbers:"]
+    monkeypatch.setattr(runner, "observe_importance", True)
+    seen = {}
+    original = engine.kv.importance.observe
+
+    def generate(kernel, label):
+        monkeypatch.setattr(runner, "decode_kernel", kernel)
+        scores = seen.setdefault(label, [])
+
+        def observe(seq_id, indices, mass):  # record what the decode steps hand over
+            scores.append(mass.clone())
+            return original(seq_id, indices, mass)
+        monkeypatch.setattr(engine.kv.importance, "observe", observe)
+        out = [o.token_ids for o in llm32.generate(prompts, params)]
+        engine.check_integrity()
+        return out
+
+    generate(op, "warm-up")  # both compared runs then meet the same prefix cache
+    with_kernel = generate(lambda *a: calls.append(1) or op(*a), "kernel")
+    assert len(calls) >= 11 * 30  # every decode step, every layer
+    assert generate(None, "pytorch") == with_kernel
+    assert len(seen["kernel"]) == len(seen["pytorch"]) > 0
+    assert max(len(m) for m in seen["kernel"]) >= 3  # several blocks per sequence
+    for a, b in zip(seen["kernel"], seen["pytorch"]):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("KVREPLAY_CPU_KERNELS", "0")
+    assert not cpu_kernels.enabled()
+    assert cpu_kernels.decode_attention() is None
