@@ -65,6 +65,31 @@ def test_key_index_keeps_int4_keys_within_half_a_step():
     assert ((restored - original).abs() <= step / 2 + 1e-3).all()
 
 
+def test_key_index_keeps_only_the_detector_layers():
+    full = KVManager(16, BLOCK, num_layers=3, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    kv = KVManager(16, BLOCK, num_layers=3, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                   index_layers=frozenset({2}))
+    assert kv.key_index.slot_bytes * 3 == full.key_index.slot_bytes
+    for cache in kv.kv_caches:
+        cache.copy_(torch.randn_like(cache))
+    kv.add_sequence(0)
+    kv.allocate(0, 16)
+    block = kv.block_table(0)[1]
+    layer2 = kv.kv_caches[2][0, :, block]                            # [Hkv, bs, D]
+    kv.drop(0, [1], keep_index=True)
+    slot = kv.index_slots(0)[0]
+    kept = kv.key_index.keys([slot])                                 # [1 kept layer, Hkv, 1, bs, D]
+    step = (layer2.amax(1, keepdim=True) - layer2.amin(1, keepdim=True)) / 15
+    assert kept.shape[0] == 1 and ((kept[0, :, 0] - layer2).abs() <= step / 2 + 1e-3).all()
+    query = torch.randn(1, 1, 1, 4)
+    args = (query, torch.tensor([[slot]]), torch.tensor([[True]]), torch.zeros(1, 1, 1), 1)
+    assert 0 <= kv.key_index.max_block_mass(2, *args).item() <= 1
+    with pytest.raises(ValueError, match="not kept"):
+        kv.key_index.max_block_mass(0, *args)
+    kv.free(0)
+    kv.check_integrity()
+
+
 def test_restore_replay_path_and_fingerprint_mismatch():
     kv = _kv()
     kv.add_sequence(0)
@@ -279,6 +304,7 @@ def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(cor
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
               window_tokens=128, need_layers="20-23", enable_prefix_caching=False)
+    assert llm.engine.kv.key_index.layers == [20, 21, 22, 23]  # the index keeps what the detector reads
     cases = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3, 0.7), seed=0))
     for case in cases:
         out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),

@@ -74,10 +74,14 @@ class LLMEngine:
                 f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
                 f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
         cfg = self.model_config
+        if config.need_layer_set and max(config.need_layer_set) >= cfg.num_layers:
+            raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
+                             f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
                             cfg.head_dim, config.torch_dtype, config.device,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            cold_dtype=config.cold_dtype if config.kv_policy.demotes else None)
+                            cold_dtype=config.cold_dtype if config.kv_policy.demotes else None,
+                            index_layers=config.need_layer_set)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.watermark_levels, config.pause_mode,
                                    block_bytes=self.kv_bytes_per_token * config.block_size,
@@ -85,9 +89,6 @@ class LLMEngine:
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=config.heavy_tokens, trim_order=config.trim_order,
                                    resident_ratio=config.resident_ratio)
-        if config.need_layer_set and max(config.need_layer_set) >= cfg.num_layers:
-            raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
-                             f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=config.need_layer_set,
                                   need_top_blocks=config.need_top_blocks,

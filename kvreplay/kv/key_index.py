@@ -3,7 +3,9 @@
 Values are not kept. Per slot (one dropped block), layer and KV head the index holds the block's
 keys as 4-bit codes with a per-channel min and max; min/max are also the block's Quest summary.
 For SmolLM2-135M (3 KV heads x 64 dims, 16-token blocks) a slot is 2,304 bytes per layer against
-12,288 for the block's bf16 K and V: 19%.
+12,288 for the block's bf16 K and V: 19%. Only the detector reads the index, so it keeps only the
+layers the detector reads (`need_layers`): with 4 of 30 layers a dropped block costs 2.5% of its
+K and V instead of 19%.
 
 Need detection (SPEC §5 trigger 2): at a decode step, per layer and KV head, the Quest bound ranks
 the sequence's dropped blocks; the top few are dequantized and scored against the step's queries.
@@ -22,20 +24,28 @@ class KeyIndex:
     """A slot pool of int4 keys, grown by doubling. The KV manager is its only writer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 device: torch.device | str = "cpu", initial_slots: int = 16):
+                 device: torch.device | str = "cpu", initial_slots: int = 16,
+                 layers: frozenset[int] | None = None):
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.block_size, self.head_dim = block_size, head_dim
         self.device = torch.device(device)
-        self.codes = torch.zeros(num_layers, num_kv_heads, 0, block_size, head_dim // 2,
+        # The model layers kept (None: all); stored row i holds layer self.layers[i].
+        self.layers = list(range(num_layers)) if layers is None else sorted(layers)
+        if not self.layers or self.layers[0] < 0 or self.layers[-1] >= num_layers:
+            raise ValueError(f"key-index layers {self.layers} must be non-empty and within 0..{num_layers - 1}")
+        self._row = {layer: row for row, layer in enumerate(self.layers)}
+        self._kept = None if layers is None else torch.tensor(self.layers, device=self.device)
+        stored = len(self.layers)
+        self.codes = torch.zeros(stored, num_kv_heads, 0, block_size, head_dim // 2,
                                  dtype=torch.uint8, device=self.device)  # [L, Hkv, S, bs, D/2]
-        self.lo = torch.zeros(num_layers, num_kv_heads, 0, head_dim, dtype=torch.float16,
-                              device=self.device)                       # [L, Hkv, S, D]
+        self.lo = torch.zeros(stored, num_kv_heads, 0, head_dim, dtype=torch.float16,
+                              device=self.device)                       # [L kept, Hkv, S, D]
         self.hi = torch.zeros_like(self.lo)
         self._free: list[int] = []
         self._grow(initial_slots)
         self.trace: list | None = None
-        # Per layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
-        self.slot_bytes = num_layers * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
+        # Per kept layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
+        self.slot_bytes = stored * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
 
     @property
     def capacity(self) -> int:
@@ -54,7 +64,9 @@ class KeyIndex:
         self._free.extend(range(start + extra - 1, start - 1, -1))  # pop() hands out low slots first
 
     def add(self, keys: torch.Tensor) -> list[int]:
-        """keys: [L, Hkv, n, block_size, D] of n blocks. Returns their n slots."""
+        """keys: [L, Hkv, n, block_size, D] of n blocks (every model layer). Returns their n slots."""
+        if self._kept is not None:
+            keys = keys.index_select(0, self._kept)
         num_blocks = keys.shape[2]
         if num_blocks > len(self._free):
             self._grow(max(self.capacity, num_blocks))
@@ -70,7 +82,7 @@ class KeyIndex:
         self._free.extend(slots)
 
     def keys(self, slots: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized keys [L, Hkv, n, block_size, D] of `slots`."""
+        """Dequantized keys [L kept, Hkv, n, block_size, D] of `slots` (rows follow self.layers)."""
         index = torch.tensor(slots, device=self.device)
         return dequantize_keys_int4(KeyCodes(self.codes.index_select(2, index),
                                              self.lo.index_select(2, index).unsqueeze(3),
@@ -90,6 +102,9 @@ class KeyIndex:
         Returns:
             [R] float32 in [0, 1].
         """
+        if layer not in self._row:
+            raise ValueError(f"layer {layer} is not kept by this key index (layers {self.layers})")
+        layer = self._row[layer]
         rows, num_slots = slot_table.shape
         num_kv, head_dim = self.num_kv_heads, self.head_dim
         query = query.float()

@@ -55,7 +55,7 @@ class KVManager:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash,
-                 cold_dtype: str | None = None):
+                 cold_dtype: str | None = None, index_layers: frozenset[int] | None = None):
         assert num_blocks > 0 and block_size > 0, "a pool needs at least one block"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -76,7 +76,9 @@ class KVManager:
         self.num_cow_copies = 0
         self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * \
             torch.finfo(dtype).bits // 8
-        self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device)
+        # The need detector's int4 keys, for the layers it reads (index_layers; None: all).
+        self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device,
+                                  layers=index_layers)
         self.cold_pool = ColdPool(num_layers, num_kv_heads, block_size, head_dim, cold_dtype, device) \
             if cold_dtype else None
         self.peak_cold_bytes = 0
