@@ -39,11 +39,14 @@ def _case(dtype, num_seqs, lengths, num_kv=3, group=3, head_dim=64, block_size=1
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (32, 4)])  # fixed and runtime sizes
-def test_kernel_matches_pytorch_path(op, dtype, tol, head_dim, group):
+@pytest.mark.parametrize("head_dim,group,block_size", [
+    (64, 3, 16), (128, 1, 16),  # fixed head sizes, 16-token blocks: the AVX-512 block path
+    (64, 3, 8), (32, 4, 16)])   # other block size / runtime head size: the plain loops
+def test_kernel_matches_pytorch_path(op, dtype, tol, head_dim, group, block_size):
     lengths = [1, 15, 16, 17, 100, 300, 47]  # partial and full last blocks, very unequal rows
     query, keys, values, tables, context, meta = _case(dtype, len(lengths), lengths, group=group,
-                                                       head_dim=head_dim)
+                                                       head_dim=head_dim, block_size=block_size,
+                                                       num_blocks=128)
     scale = head_dim ** -0.5
     expected = _decode_attention(query, keys, values, meta, scale).float()
     got, lse, mass = op(query, keys, values, tables, context, scale)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Callable
@@ -41,15 +42,25 @@ def decode_attention() -> Callable | None:
         return _state["op"]  # type: ignore[return-value]
 
 
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private helper of torch: if it moves, just announce the build
+        return False
+
+
 def _build() -> Callable | None:
     if hasattr(torch.ops, "kvreplay_cpu") and hasattr(torch.ops.kvreplay_cpu, "decode_attention"):
         return torch.ops.kvreplay_cpu.decode_attention  # loaded already in this process
     try:
         from torch.utils.cpp_extension import load_inline
         source = SOURCE.read_text()
-        digest = hashlib.sha256(source.encode()).hexdigest()[:10]
-        log.info("building the CPU decode-attention kernel (once per machine, ~30 s)")
-        load_inline(name=f"kvreplay_cpu_{digest}", cpp_sources=[source], is_python_module=False,
+        name = f"kvreplay_cpu_{hashlib.sha256(source.encode()).hexdigest()[:10]}"
+        if not _is_built(name):  # a silent half-minute pause would look like a hang
+            print("kvreplay: compiling the CPU decode-attention kernel (first use on this machine, "
+                  "~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
+        load_inline(name=name, cpp_sources=[source], is_python_module=False,
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
         return torch.ops.kvreplay_cpu.decode_attention
