@@ -202,8 +202,7 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     def per_row(keys: torch.Tensor) -> torch.Tensor:  # [Hkv, B, G, L] -> [B, L / bs]
         return block_mass(keys.transpose(0, 1).reshape(num_seqs, num_kv * group, 1, -1), block_size)
 
-    mass = per_row(heads[..., :width])                                         # [B, max_blocks]
-    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
+    _add_decode_mass(meta, per_row(heads[..., :width]))
     if probs.shape[-1] == width:
         return
     cold = heads[..., width:]                                                  # [Hkv, B, G, picks*bs]
@@ -242,9 +241,13 @@ def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         rows_query = (q * scale).view(*heads, head_dim).index_select(0, probe.rows)
         _probe_dropped(probe, layer, rows_query, lse.view(*heads).index_select(0, probe.rows))
     if meta.observe_decode:
-        mass = mass.amax(1)                                                        # [B, max_blocks]
-        meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
+        _add_decode_mass(meta, mass.amax(1))  # the largest over KV heads, as block_mass takes it
     return out
+
+
+def _add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
+    """Add one layer's hot-block mass [B, max_blocks] to the step's sum over layers."""
+    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
 
 
 def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int

@@ -36,9 +36,6 @@ inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, sr
 inline void widen(const double* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
