@@ -27,7 +27,6 @@ class Projection:
     """One linear layer's weight (and bias), packed for oneDNN where that pays."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = pack and can_pack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
