@@ -93,12 +93,14 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]."""
+                    meta: AttentionMetadata, scale: float, cache_written: bool = False) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D].
+    cache_written: k and v are in the cache at slot_mapping already (the fused CPU layer op)."""
     num_kv, num_blocks, block_size, head_dim = kv_cache.shape[1:]
     key_cache, value_cache = kv_cache[0], kv_cache[1]  # [Hkv, num_blocks, block_size, D]
-    key_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    value_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if not cache_written:
+        key_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        value_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
 
     num_decode = meta.num_decode_tokens

@@ -1,12 +1,17 @@
 """Compiled CPU kernels, built once per machine with the local C++ compiler, optional.
 
-`decode_attention()` returns `torch.ops.kvreplay_cpu.decode_attention` (csrc/decode_attention.cpp)
-or None, in which case attention.py keeps its pure PyTorch path (same results within rounding:
-the kernel accumulates in fp32 where the PyTorch path rounds scores and probabilities to the
-model dtype). The build takes ~30 s the first time and is cached under torch's extension
-directory (~/.cache/torch_extensions), keyed by the source's hash.
+Two extensions, each returned as a namespace of torch ops or None (then the caller keeps its
+pure PyTorch path, which stays the reference):
 
-Set KVREPLAY_CPU_KERNELS=0 to skip it (no compiler, or to compare against the PyTorch path).
+- `decode_attention()`: `torch.ops.kvreplay_cpu.decode_attention` (csrc/decode_attention.cpp),
+  paged decode attention. Same results within rounding: the kernel accumulates in fp32 where the
+  PyTorch path rounds scores and probabilities to the model dtype.
+- `layer_ops()`: `torch.ops.kvreplay_layer` (csrc/layer_ops.cpp), the decoder layer's glue
+  (residual add + RMSNorm, RoPE + cache write) as single ops with PyTorch's arithmetic.
+
+Each build takes ~30 s the first time and is cached under torch's extension directory
+(~/.cache/torch_extensions), keyed by the source's hash and the build flags.
+Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the PyTorch path).
 """
 from __future__ import annotations
 
@@ -16,30 +21,47 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# name -> (source, torch.ops namespace it registers, one of its ops, compiler flags)
+_EXTENSIONS = {
+    "decode_attention": ("decode_attention.cpp", "kvreplay_cpu", "decode_attention",
+                         ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]),
+    # no fast-math, no FMA contraction: its ops round exactly where PyTorch does
+    "layer_ops": ("layer_ops.cpp", "kvreplay_layer", "add_rms_norm", ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]),
+}
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
 def enabled() -> bool:
     return os.environ.get("KVREPLAY_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def decode_attention() -> Callable | None:
+def decode_attention() -> Any | None:
     """The compiled decode-attention op, building it on first call; None when disabled or when
     the build fails (logged once)."""
+    ops = _load("decode_attention")
+    return None if ops is None else ops.decode_attention
+
+
+def layer_ops() -> Any | None:
+    """`torch.ops.kvreplay_layer` (add_rms_norm, rope_write_cache), or None as above."""
+    return _load("layer_ops")
+
+
+def _load(name: str) -> Any | None:
     if not enabled():
         return None
     with _lock:
-        if "op" not in _state:
-            _state["op"] = _build()
-        return _state["op"]  # type: ignore[return-value]
+        if name not in _state:
+            _state[name] = _build(name)
+        return _state[name]
 
 
 def _is_built(name: str) -> bool:
@@ -50,21 +72,22 @@ def _is_built(name: str) -> bool:
         return False
 
 
-def _build() -> Callable | None:
-    if hasattr(torch.ops, "kvreplay_cpu") and hasattr(torch.ops.kvreplay_cpu, "decode_attention"):
-        return torch.ops.kvreplay_cpu.decode_attention  # loaded already in this process
+def _build(name: str) -> Any | None:
+    filename, namespace, op, flags = _EXTENSIONS[name]
+    if hasattr(getattr(torch.ops, namespace), op):
+        return getattr(torch.ops, namespace)  # loaded already in this process
     try:
         from torch.utils.cpp_extension import load_inline
-        source = SOURCE.read_text()
-        name = f"kvreplay_cpu_{hashlib.sha256(source.encode()).hexdigest()[:10]}"
-        if not _is_built(name):  # a silent half-minute pause would look like a hang
-            print("kvreplay: compiling the CPU decode-attention kernel (first use on this machine, "
-                  "~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
-        load_inline(name=name, cpp_sources=[source], is_python_module=False,
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+        source = (CSRC / filename).read_text()
+        digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:10]
+        module = f"kvreplay_{name}_{digest}"
+        if not _is_built(module):  # a silent half-minute pause would look like a hang
+            print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
+                  "machine, ~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
+        load_inline(name=module, cpp_sources=[source], is_python_module=False, extra_cflags=flags,
                     extra_ldflags=["-fopenmp"])
-        return torch.ops.kvreplay_cpu.decode_attention
+        return getattr(torch.ops, namespace)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the PyTorch path works
-        log.warning("CPU decode-attention kernel unavailable (%s: %s); using the PyTorch path",
+        log.warning("CPU %s kernel unavailable (%s: %s); using the PyTorch path", name,
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None

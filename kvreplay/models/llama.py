@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, paged_attention
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.linear import Projection
@@ -19,6 +20,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of residual + x, residual + x); x itself when there is no residual yet."""
+    hidden = x if residual is None else residual + x
+    return rms_norm(hidden, weight, eps), hidden
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +85,9 @@ class LlamaModel:
         self.rope_cos = emb.cos().to(self.device)
         self.rope_sin = emb.sin().to(self.device)
         self.scale = head_dim ** -0.5
+        # On CPU the layer glue (residual add + RMSNorm, RoPE + cache write) runs as compiled
+        # single ops (kvreplay/engine/csrc/layer_ops.cpp) where they build; else plain PyTorch.
+        self.layer_ops = cpu_kernels.layer_ops() if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -95,28 +106,38 @@ class LlamaModel:
         cfg = self.config
         num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = num_q * head_dim, num_kv * head_dim
-        cos = self.rope_cos.index_select(0, positions).to(self.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.rope_sin.index_select(0, positions).to(self.dtype)[:, None, :]
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        num_tokens = hidden.shape[0]
+        eps = cfg.rms_norm_eps
+        ops = self.layer_ops
+        norm = ops.add_rms_norm if ops is not None else add_rms_norm
+        cos = self.rope_cos.index_select(0, positions).to(self.dtype)  # [T, D]
+        sin = self.rope_sin.index_select(0, positions).to(self.dtype)
+        # The residual stream is carried as (residual, delta): each norm adds the last sublayer's
+        # output in the same pass, as transformers' `residual + sublayer(x)` does.
+        delta, residual = F.embedding(input_ids, self.embed_tokens), None  # [T, hidden]
+        num_tokens = delta.shape[0]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            residual = hidden
-            x = rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps)
+            x, residual = norm(delta, residual, layer["input_norm"], eps)
             qkv = layer["qkv"](x)  # [T, q_size + 2 kv_size]
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
             if layer["q_norm"] is not None:
-                qk = torch.cat([rms_norm(qk[:, :num_q], layer["q_norm"], cfg.rms_norm_eps),
-                                rms_norm(qk[:, num_q:], layer["k_norm"], cfg.rms_norm_eps)], dim=1)
-            qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated in one pass
+                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+                qkv[:, :q_size + kv_size] = torch.cat(
+                    [rms_norm(qk[:, :num_q], layer["q_norm"], eps),
+                     rms_norm(qk[:, num_q:], layer["k_norm"], eps)], dim=1).view(num_tokens, -1)
+            if ops is not None:  # rotates q and k in place and writes k, v into the cache
+                ops.rope_write_cache(qkv, cos, sin, num_q, num_kv, kv_cache, meta.slot_mapping)
+                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+            else:
+                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+                qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # q and k heads in one pass
             q, k = qk[:, :num_q], qk[:, num_q:]
-            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, num_q, D]
-            hidden = residual + layer["o"](attn.reshape(num_tokens, q_size))
-            residual = hidden
-            x = rms_norm(hidden, layer["post_norm"], cfg.rms_norm_eps)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
+            attn = paged_attention(q, k, v, kv_cache, meta, self.scale,
+                                   cache_written=ops is not None)  # [T, num_q, D]
+            delta = layer["o"](attn.reshape(num_tokens, q_size))
+            x, residual = norm(delta, residual, layer["post_norm"], eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = residual + layer["down"](F.silu(gate) * up)
+            delta = layer["down"](F.silu(gate) * up)
         if logit_indices is not None:
-            hidden = hidden[logit_indices]
-        hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+            delta, residual = delta[logit_indices], residual[logit_indices]
+        hidden, _ = norm(delta.contiguous(), residual.contiguous(), self.norm, eps)
         return self.lm_head(hidden).float()
