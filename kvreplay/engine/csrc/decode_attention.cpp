@@ -12,7 +12,8 @@
 // query heads gives it, for the importance signal) are filled only when asked, else empty.
 //
 // Work is split over (sequence, KV head) pairs; the G = Hq / Hkv query heads that share a KV head
-// are scored together so each key and value row is widened to fp32 once.
+// are handled together: each value row is widened to fp32 once for all of them, and with
+// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows).
 // Built on first use by kvreplay/engine/cpu_kernels.py; the pure PyTorch path in attention.py
 // computes the same thing and stays the reference.
 #include <ATen/ATen.h>
@@ -139,23 +140,77 @@ inline void block_scores16(const float* qf, const T* buf, int64_t rows, int64_t 
   }
 }
 
-// acc[g] += sum_r p[g * L + r] * v[r] over the block's rows (cache rows, D apart)
+// acc[g] += sum_r p[g * L + r] * v[r] for NG query heads at once: each value row is widened
+// once and feeds every head (NG * D / 16 accumulators stay in registers)
+template <int D, int NG, typename T>
+inline void block_values16_heads(const float* probs, const T* buf, int64_t rows, int64_t L, float* acc) {
+  constexpr int C = D / 16;
+  __m512 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(buf + r * D + 16 * c);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * L + r]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// acc[g] += sum_r p[g * L + r] * v[r] over the block's rows (cache rows, D apart), all G heads
 template <int D, typename T>
 inline void block_values16(const float* probs, const T* buf, int64_t rows, int64_t G, int64_t L,
                            float* acc) {
-  constexpr int C = D / 16;
+  constexpr int NG = D <= 64 ? 4 : 2;  // accumulators + one value row within 32 registers
+  int64_t g = 0;
+  for (; g + NG <= G; g += NG) block_values16_heads<D, NG>(probs + g * L, buf, rows, L, acc + g * D);
+  switch (G - g) {
+    case 3: block_values16_heads<D, 3>(probs + g * L, buf, rows, L, acc + g * D); break;
+    case 2: block_values16_heads<D, 2>(probs + g * L, buf, rows, L, acc + g * D); break;
+    case 1: block_values16_heads<D, 1>(probs + g * L, buf, rows, L, acc + g * D); break;
+    default: break;
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+// scores[g * L + r] = scale * (q[g] . k[r]) straight from bf16 query and keys: pair dot products
+// (exact products, fp32 sums), no widening
+template <int D>
+inline void block_scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* buf, int64_t rows,
+                                int64_t G, int64_t L, float scale, float* scores) {
+  constexpr int C = D / 32;
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
+  const __m512 scaling = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
-    __m512 a[C];
-    for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[g * L + r]);
-      for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(buf + r * D + 16 * c), a[c]);
+    __m512bh qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+    __m512 partial[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      __m512 sum = _mm512_setzero_ps();
+      if (r < rows)
+        for (int c = 0; c < C; ++c)
+          sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(buf + r * D + 32 * c));
+      partial[r] = sum;
     }
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[c]);
+    _mm512_mask_storeu_ps(scores + g * L, keep, _mm512_mul_ps(lane_sums16(partial), scaling));
   }
 }
 #else
+constexpr bool kHaveBf16Dot = false;
+template <int D>
+inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                                float, float*) {}
+#endif
+#else
 constexpr bool kHaveAvx512 = false;
+constexpr bool kHaveBf16Dot = false;
+template <int D>
+inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                                float, float*) {}
 inline float exp_shifted(float*, int64_t, float) { return 0.f; }
 template <typename T> constexpr bool kLoads16 = false;
 template <int D, typename T>
@@ -182,7 +237,10 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
     const int64_t rows = std::min(bs, L - blk * bs);
     if constexpr (fast) {
       if (blocks16) {
-        block_scores16<FixedD>(qf, kh + table[blk] * bs * D, rows, G, L, scores + blk * bs);
+        if constexpr (kHaveBf16Dot && std::is_same_v<T, c10::BFloat16> && FixedD % 32 == 0)
+          block_scores16_bf16<FixedD>(q, kh + table[blk] * bs * D, rows, G, L, scale, scores + blk * bs);
+        else
+          block_scores16<FixedD>(qf, kh + table[blk] * bs * D, rows, G, L, scores + blk * bs);
         continue;
       }
     }
