@@ -1,19 +1,27 @@
 """Weight projections (`y = x W^T + b`) in the fastest form the device offers.
 
-On CPU in bf16, oneDNN re-lays the weight matrix into its blocked format on every plain
-`F.linear` call; packing it once at load time skips that work (measured in bench/profile_decode.py
-and docs/benchmarks.md: ~15-25% off the decode step's matmuls, more at batch 1). The packed
-product is bit-identical to `F.linear` in bf16 on this torch build (tests/test_linear.py checks it),
-so packing changes speed, never tokens. Everything else (fp32, CUDA, a torch without oneDNN) uses
-`F.linear` on the plain weight.
+On CPU in bf16 two layouts of each weight are kept:
+- oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
+  every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used from
+  `SMALL_ROWS + 1` rows up (prefill, larger decode batches).
+- a row-tiled copy for the compiled `small_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
+  1-`SMALL_ROWS` rows: such a product is one pass over the weights, and the tiled copy streams
+  at ~30 GB/s where oneDNN's batch-1 path reaches ~20 GB/s (docs/benchmarks.md). fp32 sums like
+  oneDNN's, in another order: results agree within one bf16 rounding step.
+  The price is a second copy of the weights in memory (+270 MB for the default model).
+Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kvreplay.engine import cpu_kernels
+
 # oneDNN chooses its blocked layout for a typical row count; any row count works with it.
 PACK_BATCH_HINT = 32
+# Up to this many rows go to the small-batch kernel (above it oneDNN's blocking wins).
+SMALL_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -23,17 +31,31 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def _small_ops(weight: torch.Tensor):
+    """The layer ops when the small-batch kernel can take this weight, else None."""
+    if not (can_pack(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0):
+        return None
+    ops = cpu_kernels.layer_ops()
+    return ops if ops is not None and ops.has_small_linear() else None
+
+
 class Projection:
-    """One linear layer's weight (and bias), packed for oneDNN where that pays."""
+    """One linear layer's weight (and bias), packed for oneDNN and the small-batch kernel where
+    that pays."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.bias = bias
         self.packed = pack and can_pack(weight)
+        ops = _small_ops(weight) if self.packed else None
+        self.small_linear = None if ops is None else ops.small_linear
+        self.tiled = None if ops is None else ops.pack_rows(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
+            if self.small_linear is not None and x.shape[0] <= SMALL_ROWS:
+                return self.small_linear(x, self.tiled, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
