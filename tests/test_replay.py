@@ -90,6 +90,39 @@ def test_key_index_keeps_only_the_detector_layers():
     kv.check_integrity()
 
 
+def test_compiled_need_detector_matches_the_pytorch_one():
+    from kvreplay.kv.key_index import KeyIndex
+    index = KeyIndex(4, 3, 16, 64, layers=frozenset({1, 3}))
+    if index.kernel is None:
+        pytest.skip("no compiled CPU kernels here: the PyTorch detector runs")
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(4, 3, 60, 16, 64, generator=gen) * 2
+    keys[:, :, 9] *= 4  # a block that stands out
+    slots = torch.tensor(index.add(keys))
+    rows, width = 6, 40
+    table = torch.stack([slots[torch.randperm(60, generator=gen)[:width]] for _ in range(rows)])
+    valid = torch.ones(rows, width, dtype=torch.bool)
+    valid[1, 5:] = False  # fewer dropped blocks than top_blocks
+    valid[2] = False      # none at all
+    query = torch.randn(rows, 3, 3, 64, generator=gen) * 0.3
+    lse = torch.randn(rows, 3, 3, generator=gen) + 4
+    kernel = index.kernel
+    for layer in (1, 3):
+        for top in (1, 8, 64):
+            got = index.max_block_mass(layer, query, table, valid, lse, top)
+            index.kernel = None
+            want = index.max_block_mass(layer, query, table, valid, lse, top)
+            index.kernel = kernel
+            assert torch.allclose(got, want, atol=1e-5), (layer, top, got, want)
+            assert got[2] == 0 and want.max() > 0.1  # a row without dropped blocks needs nothing
+    bad = table.clone()
+    bad[0, 0] = index.capacity
+    with pytest.raises(RuntimeError, match="outside the index"):
+        kernel(query, index.codes[0], index.lo[0], index.hi[0], bad, valid, lse, 8)
+    with pytest.raises(RuntimeError, match="resident_lse"):
+        kernel(query, index.codes[0], index.lo[0], index.hi[0], table, valid, lse[:, :2], 8)
+
+
 def test_restore_replay_path_and_fingerprint_mismatch():
     kv = _kv()
     kv.add_sequence(0)

@@ -5,7 +5,8 @@ pure PyTorch path, which stays the reference):
 
 - `decode_attention()`: `torch.ops.kvreplay_cpu.decode_attention` (csrc/decode_attention.cpp),
   paged decode attention. Same results within rounding: the kernel accumulates in fp32 where the
-  PyTorch path rounds scores and probabilities to the model dtype.
+  PyTorch path rounds scores and probabilities to the model dtype. `need_block_mass()`, from the
+  same source: the need detector's reading of the key index (KeyIndex.max_block_mass).
 - `layer_ops()`: `torch.ops.kvreplay_layer` (csrc/layer_ops.cpp), the decoder layer's glue
   (residual add + RMSNorm, RoPE + cache write) as single ops with PyTorch's arithmetic.
 
@@ -48,6 +49,12 @@ def decode_attention() -> Any | None:
     the build fails (logged once)."""
     ops = _load("decode_attention")
     return None if ops is None else ops.decode_attention
+
+
+def need_block_mass() -> Any | None:
+    """The need detector's compiled scoring of dropped blocks (same extension), or None."""
+    ops = _load("decode_attention")
+    return None if ops is None else ops.need_block_mass
 
 
 def layer_ops() -> Any | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvreplay.engine import cpu_kernels
 from kvreplay.kv.quant import KeyCodes, block_upper_bound, dequantize_keys_int4, quantize_keys_int4
 
 
@@ -44,6 +45,8 @@ class KeyIndex:
         self._free: list[int] = []
         self._grow(initial_slots)
         self.trace: list | None = None
+        # The detector's compiled form on CPU (csrc/decode_attention.cpp), None: PyTorch below.
+        self.kernel = cpu_kernels.need_block_mass() if self.device.type == "cpu" else None
         # Per kept layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
         self.slot_bytes = stored * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
 
@@ -108,6 +111,9 @@ class KeyIndex:
         rows, num_slots = slot_table.shape
         num_kv, head_dim = self.num_kv_heads, self.head_dim
         query = query.float()
+        if self.kernel is not None and self.trace is None:
+            return self.kernel(query, self.codes[layer], self.lo[layer], self.hi[layer], slot_table,
+                               valid, resident_lse.float(), top_blocks)
         flat = slot_table.flatten()
         lo = self.lo[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
         hi = self.hi[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
