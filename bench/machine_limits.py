@@ -2,9 +2,11 @@
 
 Usage: python bench/machine_limits.py [--threads N] [--dtype bfloat16]
 
-Measures memory bandwidth (a large tensor copy: read + write) and the matmul rate at the
-shapes a decode step of the default model uses, then prints the floor on one decode step:
-max(weight bytes / bandwidth, FLOPs / matmul rate) at batch 1 and batch 32.
+Measures memory bandwidth (a large tensor copy: read + write; a large sum: read only, which is
+what streaming weights does) and the matmul rate at the shapes a decode step of the default model
+uses, both through plain `F.linear` and through the engine's `Projection` (packed oneDNN weights,
+the small-batch kernel for 1-4 rows), then prints the floor on one decode step:
+max(weight bytes / read bandwidth, FLOPs / matmul rate) at batch 1, 4, 8, 32 and 256.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     dst = torch.empty_like(src)
     copy_s = _median_seconds(lambda: dst.copy_(src))
     bandwidth = 2 * src.numel() * 4 / copy_s  # bytes read + written per second
+    read = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MiB, larger than any cache
+    read_bandwidth = read.numel() * 2 / _median_seconds(lambda: read.sum())
 
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -50,25 +54,30 @@ def main(argv=None) -> int:
     weight_bytes = weight_params * torch.finfo(dtype).bits // 8
 
     print(f"torch threads {torch.get_num_threads()}, {args.dtype}")
-    print(f"memory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s")
+    print(f"memory bandwidth (copy, read+write): {bandwidth / 1e9:.1f} GB/s; read only (sum): "
+          f"{read_bandwidth / 1e9:.1f} GB/s")
     print(f"decode-step weights: {weight_params / 1e6:.1f} M parameters = {weight_bytes / 1e6:.0f} MB")
     # Every layer gets its own weights, as in the model: they stream from memory, not from cache.
-    layers = [[torch.randn(o, i, dtype=dtype) for o, i in shapes] for _ in range(cfg.num_layers)]
-    head = torch.randn(cfg.vocab_size, hidden, dtype=dtype)
-    for batch in (1, 8, 32, 256):
+    from kvreplay.models.linear import Projection
+    # (weight, input width) in model order; the LM head last
+    plain = [(torch.randn(o, i, dtype=dtype), i) for _ in range(cfg.num_layers) for o, i in shapes]
+    plain.append((torch.randn(cfg.vocab_size, hidden, dtype=dtype), hidden))
+    engine = [(Projection(w), i) for w, i in plain]
+    matmuls = {"F.linear": (plain, lambda x, w: torch.nn.functional.linear(x, w)),
+               "Projection": (engine, lambda x, proj: proj(x))}
+    floor_bw = weight_bytes / read_bandwidth
+    for batch in (1, 4, 8, 32, 256):
         x = {i: torch.randn(batch, i, dtype=dtype) for i in {hidden, inter}}
-
-        def step():
-            for layer in layers:
-                for w in layer:
-                    torch.nn.functional.linear(x[w.shape[1]], w)
-            torch.nn.functional.linear(x[hidden], head)
-        step_s = _median_seconds(step, repeats=5)
-        flops = 2 * batch * weight_params
-        floor_bw = weight_bytes / bandwidth
-        print(f"batch {batch:>3}: matmuls of one decode step {step_s * 1e3:7.1f} ms "
-              f"({flops / step_s / 1e9:6.1f} GFLOP/s) -> at most {batch / step_s:7.0f} tok/s; "
-              f"bandwidth floor {floor_bw * 1e3:.1f} ms -> {batch / floor_bw:7.0f} tok/s")
+        for name, (weights, matmul) in matmuls.items():
+            def step():
+                for w, width in weights:
+                    matmul(x[width], w)
+            step_s = _median_seconds(step, repeats=5)
+            flops = 2 * batch * weight_params
+            print(f"batch {batch:>3}, {name:<10}: matmuls of one decode step {step_s * 1e3:7.1f} ms "
+                  f"({flops / step_s / 1e9:6.1f} GFLOP/s, weights at {weight_bytes / step_s / 1e9:4.1f} GB/s) "
+                  f"-> at most {batch / step_s:7.0f} tok/s; read-bandwidth floor {floor_bw * 1e3:.1f} ms "
+                  f"-> {batch / floor_bw:7.0f} tok/s")
     return 0
 
 

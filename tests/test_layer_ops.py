@@ -132,3 +132,22 @@ def test_model_forward_with_and_without_layer_ops(ops, llm32):
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("KVREPLAY_CPU_KERNELS", "0")
     assert cpu_kernels.layer_ops() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_pytorch(ops, dtype):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 2 * 1536 + 2 * 8, generator=gen) * 4).to(dtype)  # a tail past 16 lanes
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero inputs
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the exp differs from the library's in its last fp32 bits: one bf16 step at most, rarely
+        step = want.float().abs().clamp_min(1e-6) * 2 ** -7
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got != want).float().mean().item() < 0.01
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        ops.silu_mul(torch.randn(2, 7))

@@ -85,7 +85,7 @@ class LlamaModel:
         self.rope_cos = emb.cos().to(self.device)
         self.rope_sin = emb.sin().to(self.device)
         self.scale = head_dim ** -0.5
-        # On CPU the layer glue (residual add + RMSNorm, RoPE + cache write) runs as compiled
+        # On CPU the layer glue (residual add + RMSNorm, RoPE + cache write, SiLU x up) runs as compiled
         # single ops (kvreplay/engine/csrc/layer_ops.cpp) where they build; else plain PyTorch.
         self.layer_ops = cpu_kernels.layer_ops() if self.device.type == "cpu" else None
 
@@ -135,8 +135,11 @@ class LlamaModel:
                                    cache_written=ops is not None)  # [T, num_q, D]
             delta = layer["o"](attn.reshape(num_tokens, q_size))
             x, residual = norm(delta, residual, layer["post_norm"], eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            delta = layer["down"](F.silu(gate) * up)
+            if ops is not None:
+                delta = layer["down"](ops.silu_mul(layer["gate_up"](x)))
+            else:
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                delta = layer["down"](F.silu(gate) * up)
         if logit_indices is not None:
             delta, residual = delta[logit_indices], residual[logit_indices]
         hidden, _ = norm(delta.contiguous(), residual.contiguous(), self.norm, eps)
