@@ -30,6 +30,7 @@
 #include <climits>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -40,7 +41,6 @@ namespace {
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
 template <typename T> inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 
-#include <type_traits>
 template <typename T> constexpr bool kVecT = false;  // dtypes with a 16-lane path
 #if defined(__AVX512BF16__)
 template <> constexpr bool kVecT<float> = true;
