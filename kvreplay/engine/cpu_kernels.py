@@ -11,7 +11,8 @@ pure PyTorch path, which stays the reference):
   (residual add + RMSNorm, RoPE + cache write) as single ops with PyTorch's arithmetic.
 
 Each build takes ~30 s the first time and is cached under torch's extension directory
-(~/.cache/torch_extensions), keyed by the source's hash and the build flags.
+(~/.cache/torch_extensions), keyed by the hash of the source, the shared header (csrc/simd.h)
+and the build flags.
 Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the PyTorch path).
 """
 from __future__ import annotations
@@ -86,13 +87,14 @@ def _build(name: str) -> Any | None:
     try:
         from torch.utils.cpp_extension import load_inline
         source = (CSRC / filename).read_text()
-        digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:10]
+        headers = "".join(path.read_text() for path in sorted(CSRC.glob("*.h")))
+        digest = hashlib.sha256((source + headers + " ".join(flags)).encode()).hexdigest()[:10]
         module = f"kvreplay_{name}_{digest}"
         if not _is_built(module):  # a silent half-minute pause would look like a hang
             print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
                   "machine, ~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
         load_inline(name=module, cpp_sources=[source], is_python_module=False, extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"])
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
         return getattr(torch.ops, namespace)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the PyTorch path works
         log.warning("CPU %s kernel unavailable (%s: %s); using the PyTorch path", name,

@@ -32,9 +32,7 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -47,11 +45,10 @@ template <> constexpr bool kVecT<float> = true;
 template <> constexpr bool kVecT<c10::BFloat16> = true;
 // 16 lanes at a time. For bf16, `rnd` rounds fp32 lanes to bf16 (nearest-even, as c10 does) and
 // back, so vector code rounds exactly where the scalar code does; for fp32 it is the identity.
-inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 ld(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using kvreplay_simd::exp16;
+using kvreplay_simd::lane_sums16;
+inline __m512 ld(const float* p) { return kvreplay_simd::load16(p); }
+inline __m512 ld(const c10::BFloat16* p) { return kvreplay_simd::load16(p); }
 inline void st(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void st(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
@@ -210,26 +207,8 @@ void rope_write_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 
 // silu(gate) * up for gate_up = [gate | up] rows: silu rounded to the dtype, then the product,
 // as F.silu(gate) * up does. silu(x) = x / (1 + e^-x); the vector exp below is within ~2e-7
-// relative of the library's, so a bf16 result differs from PyTorch's by one step at most, rarely.
-#if defined(__AVX512BF16__)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
+// relative of the library's (simd.h), so a bf16 result differs from PyTorch's by one step at
+// most, rarely.
 template <typename T>
 void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t F) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
@@ -282,24 +261,6 @@ at::Tensor pack_rows(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__)
-// out lane r = sum of the 16 lanes of p[r] (a transpose-and-add tree)
-inline __m512 lane_sums16(const __m512* p) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
-                             _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-
 void small_rows(const uint16_t* x, const uint16_t* packed, const c10::BFloat16* bias, uint16_t* out,
                 int64_t M, int64_t N, int64_t K) {
   const int64_t chunks = K / kChunk, tiles = N / kTileRows;
