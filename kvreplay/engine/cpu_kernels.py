@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -43,6 +44,11 @@ _state: dict[str, Any] = {}
 
 def enabled() -> bool:
     return os.environ.get("KVREPLAY_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def should_build() -> bool:
+    """Enabled, and a C++ compiler and ninja are on the PATH: then a failed build is a bug."""
+    return enabled() and shutil.which("c++") is not None and shutil.which("ninja") is not None
 
 
 def decode_attention() -> Any | None:
