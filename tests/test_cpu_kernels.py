@@ -1,6 +1,7 @@
 """The compiled CPU decode-attention kernel against the PyTorch decode path it replaces."""
 import pytest
 import torch
+from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, _decode_attention
@@ -8,13 +9,7 @@ from kvreplay.engine.attention import AttentionMetadata, _decode_attention
 
 @pytest.fixture(scope="module")
 def op():
-    kernel = cpu_kernels.decode_attention()
-    if kernel is None:
-        # With a compiler and ninja on the machine the build must work; without them it may not.
-        assert not cpu_kernels.should_build(), \
-            "the CPU kernel failed to build although a compiler and ninja exist (see the log)"
-        pytest.skip("no C++ toolchain here: the PyTorch decode path is used")
-    return kernel
+    return built_or_skip(cpu_kernels.decode_attention(), "CPU decode kernel")
 
 
 def _case(dtype, num_seqs, lengths, num_kv=3, group=3, head_dim=64, block_size=16, num_blocks=64,

@@ -1,6 +1,7 @@
 """The compiled layer glue (csrc/layer_ops.cpp) against the PyTorch code it replaces in llama.py."""
 import pytest
 import torch
+from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.llama import add_rms_norm, rotate_half
@@ -8,12 +9,7 @@ from kvreplay.models.llama import add_rms_norm, rotate_half
 
 @pytest.fixture(scope="module")
 def ops():
-    built = cpu_kernels.layer_ops()
-    if built is None:
-        assert not cpu_kernels.should_build(), \
-            "the layer ops failed to build although a compiler and ninja exist (see the log)"
-        pytest.skip("no C++ toolchain here: the PyTorch layer code is used")
-    return built
+    return built_or_skip(cpu_kernels.layer_ops(), "layer ops")
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

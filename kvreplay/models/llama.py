@@ -125,9 +125,8 @@ class LlamaModel:
                      rms_norm(qk[:, num_q:], layer["k_norm"], eps)], dim=1).view(num_tokens, -1)
             if ops is not None:  # rotates q and k in place and writes k, v into the cache
                 ops.rope_write_cache(qkv, cos, sin, num_q, num_kv, kv_cache, meta.slot_mapping)
-                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
-            else:
-                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+            if ops is None:
                 qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # q and k heads in one pass
             q, k = qk[:, :num_q], qk[:, num_q:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
