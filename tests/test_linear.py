@@ -11,13 +11,14 @@ from kvreplay.models.linear import Projection, can_pack
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_bf16_equals_plain_linear(rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=gen).bfloat16()
+    # an odd input width: the panel kernel cannot take it, so every row count goes to oneDNN
+    weight = torch.randn(96, 41, generator=gen).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(rows, 40, generator=gen).bfloat16()
+    x = torch.randn(rows, 41, generator=gen).bfloat16()
     proj = Projection(weight, bias)
     if not can_pack(weight):
         pytest.skip("this torch build has no oneDNN packing")
-    assert proj.packed
+    assert proj.packed and proj.panel_linear is None
     assert torch.equal(proj(x), F.linear(x, weight, bias))
 
 
@@ -41,42 +42,69 @@ def test_packed_rejects_other_inputs_clearly():
         proj(torch.randn(3, 4))  # fp32 input
 
 
-def _small_projection(weight, bias=None):
+def _panel_projection(weight, bias=None):
     proj = Projection(weight, bias)
-    if proj.small_linear is None:
+    if proj.panel_linear is None:
         ops = cpu_kernels.layer_ops()
         # With a compiler, ninja and AVX512-BF16 on the machine the kernel must be there.
         assert not (can_pack(weight) and ops is None and cpu_kernels.should_build()), \
             "the layer ops failed to build (see the log)"
-        pytest.skip("no small-batch kernel here (no oneDNN, compiler or AVX512-BF16)")
+        pytest.skip("no panel kernel here (no oneDNN, compiler or AVX512-BF16)")
     return proj
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+# 1-8 rows: one row block; 9, 13, 32: balanced blocks (5 + 4, 7 + 6, 8 x 4); 128: the largest
+# count the kernel takes. 112 outputs: two full panels of 48 and a last one of 16.
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 32, 128])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_kernel_within_one_rounding_of_exact(rows, with_bias):
+def test_panel_kernel_within_one_rounding_of_exact(rows, with_bias):
     gen = torch.Generator().manual_seed(10 + rows)
-    weight = torch.randn(96, 576, generator=gen).bfloat16()
-    bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    proj = _small_projection(weight, bias)
+    weight = torch.randn(112, 578, generator=gen).bfloat16()
+    bias = torch.randn(112, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 578, generator=gen).bfloat16()
+    proj = _panel_projection(weight, bias)
     got = proj(x)
     exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 112)
     # fp32 sums in another order than the exact product: at most one bf16 step from it
     step = exact.abs().clamp_min(1e-3) * 2 ** -7
     assert ((got.float() - exact).abs() <= step).all()
-    if rows <= 4:  # rows are independent: each equals itself computed alone
-        for row in range(rows):
-            assert torch.equal(proj(x[row:row + 1]), got[row:row + 1])
+    # rows are independent: each equals itself computed alone, whatever block it fell in
+    for row in {0, rows // 2, rows - 1}:
+        assert torch.equal(proj(x[row:row + 1]), got[row:row + 1])
 
 
-def test_small_batch_kernel_rejects_bad_inputs():
-    proj = _small_projection(torch.randn(32, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="small_linear: x must be"):
-        proj.small_linear(torch.randn(1, 32).bfloat16(), proj.tiled, None)
+def test_panel_kernel_narrow_weights_and_thread_counts():
+    """Weights of one or two tiles (a lone narrow panel) and 1 or 2 threads give the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 64, generator=gen).bfloat16()
+    for outputs in (16, 32, 48):
+        weight = torch.randn(outputs, 64, generator=gen).bfloat16()
+        proj = _panel_projection(weight)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = proj(x)
+        finally:
+            torch.set_num_threads(threads)
+        exact = F.linear(x.float(), weight.float())
+        assert ((one.float() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2 ** -7).all()
+        assert torch.equal(proj(x), one)
+
+
+def test_panel_kernel_rejects_bad_inputs():
+    proj = _panel_projection(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="panel_linear: x must be"):
+        proj.panel_linear(torch.randn(1, 32).bfloat16(), proj.panels, None)
+    with pytest.raises(RuntimeError, match="panel_linear: x must be"):
+        proj.panel_linear(torch.randn(1, 64), proj.panels, None)  # fp32
     with pytest.raises(RuntimeError, match="bias must be"):
-        proj.small_linear(torch.randn(1, 64).bfloat16(), proj.tiled, torch.zeros(31).bfloat16())
-    with pytest.raises(RuntimeError, match="pack_rows"):
-        torch.ops.kvreplay_layer.pack_rows(torch.randn(30, 64).bfloat16())
-    assert Projection(torch.randn(30, 64).bfloat16()).small_linear is None  # shape it cannot tile
+        proj.panel_linear(torch.randn(1, 64).bfloat16(), proj.panels, torch.zeros(31).bfloat16())
+    with pytest.raises(RuntimeError, match="must come from pack_panels"):
+        proj.panel_linear(torch.randn(1, 64).bfloat16(), torch.zeros(32, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        torch.ops.kvreplay_layer.pack_panels(torch.randn(30, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        torch.ops.kvreplay_layer.pack_panels(torch.randn(32, 63).bfloat16())
+    assert Projection(torch.randn(30, 64).bfloat16()).panel_linear is None  # shape it cannot take
+    assert proj.panel_linear(torch.zeros(0, 64).bfloat16(), proj.panels, None).shape == (0, 32)

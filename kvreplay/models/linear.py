@@ -3,11 +3,13 @@
 On CPU in bf16 two layouts of each weight are kept:
 - oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
   every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used from
-  `SMALL_ROWS + 1` rows up (prefill, larger decode batches).
-- a row-tiled copy for the compiled `small_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
-  1-`SMALL_ROWS` rows: such a product is one pass over the weights, and the tiled copy streams
-  at ~30 GB/s where oneDNN's batch-1 path reaches ~20 GB/s (docs/benchmarks.md). fp32 sums like
-  oneDNN's, in another order: results agree within one bf16 rounding step.
+  `PANEL_ROWS + 1` rows up (prefill chunks, mixed steps).
+- a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
+  1-`PANEL_ROWS` rows, i.e. decode steps: at one row it streams the weights in order (the whole
+  decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each
+  weight load feeds up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and
+  ~28; docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
+  bf16 rounding step, and a row's result does not depend on the other rows.
   The price is a second copy of the weights in memory (+270 MB for the default model).
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
@@ -20,8 +22,8 @@ from kvreplay.engine import cpu_kernels
 
 # oneDNN chooses its blocked layout for a typical row count; any row count works with it.
 PACK_BATCH_HINT = 32
-# Up to this many rows go to the small-batch kernel (above it oneDNN's blocking wins).
-SMALL_ROWS = 4
+# Up to this many rows go to the panel kernel (above it oneDNN's blocking wins).
+PANEL_ROWS = 128
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -31,31 +33,31 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def _small_ops(weight: torch.Tensor):
-    """The layer ops when the small-batch kernel can take this weight, else None."""
-    if not (can_pack(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0):
+def _panel_ops(weight: torch.Tensor):
+    """The layer ops when the panel kernel can take this weight, else None."""
+    if not (can_pack(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
         return None
     ops = cpu_kernels.layer_ops()
-    return ops if ops is not None and ops.has_small_linear() else None
+    return ops if ops is not None and ops.has_panel_linear() else None
 
 
 class Projection:
-    """One linear layer's weight (and bias), packed for oneDNN and the small-batch kernel where
-    that pays."""
+    """One linear layer's weight (and bias), packed for oneDNN and the panel kernel where that
+    pays."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.bias = bias
         self.packed = pack and can_pack(weight)
-        ops = _small_ops(weight) if self.packed else None
-        self.small_linear = None if ops is None else ops.small_linear
-        self.tiled = None if ops is None else ops.pack_rows(weight)
+        ops = _panel_ops(weight) if self.packed else None
+        self.panel_linear = None if ops is None else ops.panel_linear
+        self.panels = None if ops is None else ops.pack_panels(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.small_linear is not None and x.shape[0] <= SMALL_ROWS:
-                return self.small_linear(x, self.tiled, self.bias)
+            if self.panel_linear is not None and x.shape[0] <= PANEL_ROWS:
+                return self.panel_linear(x, self.panels, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
