@@ -88,6 +88,8 @@ def test_kernel_ignores_padding_blocks(op):
     before = op(query, keys, values, tables, context, 0.125)[0]
     tables[0, 1:] = 7
     assert torch.equal(op(query, keys, values, tables, context, 0.125)[0], before)
+    tables[0, 1:] = -1  # not even a block id: never read, so not checked
+    assert torch.equal(op(query, keys, values, tables, context, 0.125)[0], before)
 
 
 def test_kernel_rejects_bad_inputs(op):
@@ -98,6 +100,9 @@ def test_kernel_rejects_bad_inputs(op):
         op(query, keys, values, tables, torch.tensor([5, 33]), 0.125)  # past the table's blocks
     bad = tables.clone()
     bad[1, 0] = keys.shape[1]
+    with pytest.raises(RuntimeError, match="block ids"):
+        op(query, keys, values, bad, context, 0.125)
+    bad[1, 0], bad[1, 1] = 0, -1  # the last block row 1 reads
     with pytest.raises(RuntimeError, match="block ids"):
         op(query, keys, values, bad, context, 0.125)
     with pytest.raises(RuntimeError, match="head shapes"):

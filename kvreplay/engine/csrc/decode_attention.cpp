@@ -81,6 +81,22 @@ inline float exp_shifted(float* sg, int64_t L, float m) {
   return _mm512_reduce_add_ps(total);
 }
 
+// Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead of the score
+// pass: it asks for the keys of the block kPrefetchAhead on (measured best of 2/4/8 on this
+// machine) and for the values of the current block (read by the second pass, from L2 by then).
+// With the cache in memory rather than in L3 (30 layers of it), this is 20% off a layer.
+constexpr int64_t kPrefetchAhead = 4;
+template <typename T>
+inline void prefetch_to_l1(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+template <typename T>
+inline void prefetch_to_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 template <typename T> constexpr bool kLoads16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 // scores[g * L + r] = qf[g] . k[r] for the block's `rows` (<= 16) keys k (cache rows, D apart)
@@ -171,6 +187,9 @@ inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int6
 #else
 constexpr bool kHaveAvx512 = false;
 constexpr bool kHaveBf16Dot = false;
+constexpr int64_t kPrefetchAhead = 0;
+template <typename T> inline void prefetch_to_l1(const T*, int64_t) {}
+template <typename T> inline void prefetch_to_l2(const T*, int64_t) {}
 template <int D>
 inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
                                 float, float*) {}
@@ -196,10 +215,18 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   const int64_t nblocks = (L + bs - 1) / bs;
   constexpr bool fast = kHaveAvx512 && kLoads16<T> && FixedD > 0 && FixedD % 16 == 0;
   const bool blocks16 = fast && bs == 16;
+  if constexpr (fast) {
+    if (blocks16)
+      for (int64_t blk = 0; blk < std::min(kPrefetchAhead, nblocks); ++blk)
+        prefetch_to_l1(kh + table[blk] * bs * D, bs * D);
+  }
   for (int64_t blk = 0; blk < nblocks; ++blk) {  // scores, one cache block at a time
     const int64_t rows = std::min(bs, L - blk * bs);
     if constexpr (fast) {
       if (blocks16) {
+        if (blk + kPrefetchAhead < nblocks)
+          prefetch_to_l1(kh + table[blk + kPrefetchAhead] * bs * D, bs * D);
+        prefetch_to_l2(vh + table[blk] * bs * D, bs * D);
         if constexpr (kHaveBf16Dot && std::is_same_v<T, c10::BFloat16> && FixedD % 32 == 0)
           block_scores16_bf16<FixedD>(q, kh + table[blk] * bs * D, rows, G, L, scale, scores + blk * bs);
         else
@@ -312,11 +339,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   auto ctx = context_lens.contiguous();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && ctx.numel() == B, "one table row per query");
   const int64_t W = tables.size(1);
-  if (B > 0) {
-    TORCH_CHECK(ctx.min().item<int64_t>() >= 1 && ctx.max().item<int64_t>() <= W * bs,
-                "context lengths must lie in [1, table width x block size]");
-    TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < NB,
-                "block ids outside the cache");
+  {  // one pass over what will be read (tensor reductions cost ~20 us per call, 30 calls a step)
+    const int64_t* lens = ctx.data_ptr<int64_t>();
+    const int64_t* ids = tables.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs,
+                  "context lengths must lie in [1, table width x block size], got ", lens[b]);
+      for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+        TORCH_CHECK(ids[b * W + i] >= 0 && ids[b * W + i] < NB, "block ids outside the cache: ", ids[b * W + i]);
+    }
   }
   auto out = at::empty_like(query);
   auto fp32 = query.options().dtype(at::kFloat);
