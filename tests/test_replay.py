@@ -43,6 +43,9 @@ def test_drop_frees_blocks_charges_the_index_and_restores_from_cache():
     assert freed == 2 and kv.num_free_blocks == free_before + 2
     assert kv.key_index.num_used == 3 and kv.dropped_blocks(0) == [1, 2, 3]
     assert kv.resident_blocks(0) == [table[0], table[4], table[5]]
+    # what the resident_ratio trim counts on when it picks how many blocks to drop at once
+    assert kv.resident_bytes(0) == 6 * kv.block_bytes - 3 * kv.bytes_freed_by_drop(False, keep_index=True)
+    assert kv.bytes_freed_by_drop(False, keep_index=False) == kv.block_bytes
     # The dropped blocks still hold cached K/V: they come back without any recompute.
     assert kv.restore_cached(0, tokens) == [1, 2, 3]
     assert kv.block_table(0) == table and kv.key_index.num_used == 0

@@ -345,6 +345,11 @@ class KVManager:
         return len(self.resident_blocks(seq_id)) * self.block_bytes + \
             len(self.index_slots(seq_id)) * self.key_index.slot_bytes + cold
 
+    def bytes_freed_by_drop(self, cold: bool, keep_index: bool) -> int:
+        """How much `resident_bytes` falls when one unshared hot (or cold) block is dropped."""
+        freed = self.cold_pool.slot_bytes if cold else self.block_bytes
+        return freed - (self.key_index.slot_bytes if keep_index else 0)
+
     def resident_blocks(self, seq_id: int) -> list[int]:
         """Blocks of `seq_id` that hold K/V, in table order."""
         return [b for b in self._tables.get(seq_id, ()) if b != DROPPED]
