@@ -53,10 +53,10 @@ def test_lru_eviction_order():
     # Freed tails go first; seq 2 was freed before seq 1, so its blocks are older.
     assert kv.pool.lru_order() == [4, 3, 1, 0]
     assert kv.num_free_blocks == 6 and kv.num_cached_blocks == 4
-    # New content takes the two empty blocks first, then evicts in LRU order.
+    # New content takes the two empty blocks first (lowest id first), then evicts in LRU order.
     kv.add_sequence(3)
     assert kv.allocate(3, 4 * BLOCK)
-    assert kv.block_table(3) == [5, 2, 4, 3]
+    assert kv.block_table(3) == [2, 5, 4, 3]
     assert kv.pool.lru_order() == [1, 0]
     kv.check_integrity()
     # The evicted prefix misses, the surviving one still hits.
@@ -145,3 +145,21 @@ def test_integrity_catches_corruption():
     kv._hashes[1][1] ^= 1
     with pytest.raises(AssertionError, match="hash"):
         kv.check_integrity()
+
+
+def test_empty_blocks_are_taken_lowest_id_first_after_churn():
+    """Blocks freed in any order come back lowest id first, so a new sequence gets neighbouring
+    blocks (the decode kernel reads them faster) rather than the release order."""
+    kv = _pool(12, enable_prefix_caching=False)  # freed blocks are empty, not cached
+    for seq_id in range(3):
+        _compute(kv, seq_id, list(range(10 * seq_id, 10 * seq_id + 16)))  # 4 blocks each
+    assert kv.block_table(1) == [4, 5, 6, 7]
+    kv.free(2)  # released first: 8-11
+    kv.free(0)  # then 0-3
+    kv.check_integrity()
+    _compute(kv, 3, list(range(500, 520)))  # 5 blocks
+    assert kv.block_table(3) == [0, 1, 2, 3, 8]
+    kv.free(3)
+    kv.free(1)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 12

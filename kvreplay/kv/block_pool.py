@@ -3,10 +3,15 @@
 A free block (ref count 0) is either *empty* (no reusable content) or *cached* (it still holds a
 prefix-cache entry). New content takes empty blocks first and evicts cached ones last, least
 recently released first, so a cached prefix survives as long as the pool has room for it.
+Empty blocks are taken lowest id first (a heap): a sequence's blocks then tend to sit next to
+each other in memory even after much churn, and the CPU decode kernel, which reads them in
+table order, runs ~35% faster on neighbouring blocks than on scattered ones (fewer TLB and
+DRAM-page misses; docs/benchmarks.md).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 from kvreplay.kv.prefix_cache import PrefixCache
 
@@ -17,7 +22,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.cache = PrefixCache()
-        self._empty: deque[int] = deque(range(num_blocks))
+        self._empty: list[int] = list(range(num_blocks))  # a heap (sorted: already one)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, oldest first
         self.evictions = 0
 
@@ -36,7 +41,7 @@ class BlockPool:
     def take(self) -> int:
         """A free block for new content, referenced once. The caller checked `num_free`."""
         if self._empty:
-            block = self._empty.popleft()
+            block = heapq.heappop(self._empty)
         else:
             block, _ = self._lru.popitem(last=False)
             self.cache.forget(block)
@@ -59,7 +64,7 @@ class BlockPool:
             if self.cache.is_cached(block):
                 self._lru[block] = None  # most recently released: evicted last
             else:
-                self._empty.append(block)
+                heapq.heappush(self._empty, block)
 
     def check_integrity(self, block_size: int) -> None:
         self.cache.check_integrity(block_size)

@@ -312,6 +312,12 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t head = b * Hkv * G + h * G;  // query heads h*G .. h*G+G-1 of sequence b
+      if (task + 1 < end) {  // the next task's first key blocks, so that it does not start on a stall
+        const int64_t nb = (task + 1) / Hkv, nh = (task + 1) % Hkv;
+        const int64_t first = std::min(kPrefetchAhead, (ctx[nb] + bs - 1) / bs);
+        for (int64_t i = 0; i < first; ++i)
+          prefetch_to_l2(kc + nh * head_stride + tables[nb * W + i] * bs * D, bs * D);
+      }
       attend_one<T, FixedD>(q + head * D, kc + h * head_stride, vc + h * head_stride, tables + b * W,
                             ctx[b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
                             extra.lse ? extra.lse + head : nullptr,
