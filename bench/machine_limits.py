@@ -5,7 +5,7 @@ Usage: python bench/machine_limits.py [--threads N] [--dtype bfloat16]
 Measures memory bandwidth (a large tensor copy: read + write; a large sum: read only, which is
 what streaming weights does) and the matmul rate at the shapes a decode step of the default model
 uses, both through plain `F.linear` and through the engine's `Projection` (packed oneDNN weights,
-the small-batch kernel for 1-4 rows), then prints the floor on one decode step:
+the panel kernel for 1-128 rows), then prints the floor on one decode step:
 max(weight bytes / read bandwidth, FLOPs / matmul rate) at batch 1, 4, 8, 32 and 256.
 """
 from __future__ import annotations
