@@ -153,3 +153,15 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("KVREPLAY_CPU_KERNELS", "0")
     assert not cpu_kernels.enabled()
     assert cpu_kernels.decode_attention() is None
+
+
+def test_build_is_keyed_by_the_cpu(monkeypatch):
+    """-march=native builds: another CPU (a shared home directory) must get its own build."""
+    here = cpu_kernels._cpu_signature()
+    assert here.strip()  # something identifies this CPU
+    names = {}
+    for signature in (here, "vendor_id : Other\nflags : sse2"):
+        monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda s=signature: s)
+        names[signature] = cpu_kernels.build_name("layer_ops")
+    assert len(set(names.values())) == 2
+    assert all(n.startswith("kvreplay_layer_ops_") for n in names.values())

@@ -11,8 +11,8 @@ pure PyTorch path, which stays the reference):
   (residual add + RMSNorm, RoPE + cache write) as single ops with PyTorch's arithmetic.
 
 Each build takes ~30 s the first time and is cached under torch's extension directory
-(~/.cache/torch_extensions), keyed by the hash of the source, the shared header (csrc/simd.h)
-and the build flags.
+(~/.cache/torch_extensions), keyed by the hash of the source, the shared header (csrc/simd.h),
+the build flags and the CPU (model and instruction-set flags: the builds use -march=native).
 Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the PyTorch path).
 """
 from __future__ import annotations
@@ -78,12 +78,35 @@ def _load(name: str) -> Any | None:
         return _state[name]
 
 
+def _cpu_signature() -> str:
+    """The CPU model and instruction-set flags (Linux /proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()  # the first processor
+        wanted = ("vendor_id", "model name", "flags", "Features", "CPU part")
+        return "\n".join(line for line in lines if line.split(":", 1)[0].strip() in wanted)
+    except OSError:
+        import platform
+        return f"{platform.machine()} {platform.processor()}"
+
+
 def _is_built(name: str) -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory
         return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
     except Exception:  # a private helper of torch: if it moves, just announce the build
         return False
+
+
+def build_name(name: str) -> str:
+    """The cached build's module name: the extension's name and a hash of everything the build
+    depends on. -march=native builds for this CPU, so a home directory shared by machines with
+    other CPUs must not load it there: the CPU is part of the key."""
+    filename, _, _, flags = _EXTENSIONS[name]
+    source = (CSRC / filename).read_text()
+    headers = "".join(path.read_text() for path in sorted(CSRC.glob("*.h")))
+    key = source + headers + " ".join(flags) + _cpu_signature()
+    return f"kvreplay_{name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _build(name: str) -> Any | None:
@@ -93,9 +116,7 @@ def _build(name: str) -> Any | None:
     try:
         from torch.utils.cpp_extension import load_inline
         source = (CSRC / filename).read_text()
-        headers = "".join(path.read_text() for path in sorted(CSRC.glob("*.h")))
-        digest = hashlib.sha256((source + headers + " ".join(flags)).encode()).hexdigest()[:10]
-        module = f"kvreplay_{name}_{digest}"
+        module = build_name(name)
         if not _is_built(module):  # a silent half-minute pause would look like a hang
             print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
                   "machine, ~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
