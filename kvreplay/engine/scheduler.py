@@ -284,7 +284,7 @@ class Scheduler:
             if target_used is not None and self.kv.num_used_blocks <= target_used:
                 break
             if cold:
-                self._drop_cold(seq, index)
+                self._drop_cold(seq, [index])
             else:
                 self._evict(seq, [index])
             moved = True
@@ -297,10 +297,10 @@ class Scheduler:
             return False
         return seq.num_uncomputed_tokens == 1 or self.approx_prefill
 
-    def _drop_cold(self, seq: Sequence, index: int) -> None:
-        """A cold block leaves the cold tier: dropped (its keys kept in the key index)."""
-        self.kv.drop_cold(seq.seq_id, [index], keep_index=self.policy.keeps_key_index)
-        seq.stats.dropped_tokens += self.kv.block_size
+    def _drop_cold(self, seq: Sequence, indices: list[int]) -> None:
+        """Cold blocks leave the cold tier: dropped (their keys kept in the key index)."""
+        self.kv.drop_cold(seq.seq_id, indices, keep_index=self.policy.keeps_key_index)
+        seq.stats.dropped_tokens += len(indices) * self.kv.block_size
 
     def _evict(self, seq: Sequence, block_indices: list[int]) -> None:
         """Hot middle blocks leave the hot tier: demoted to cold, or dropped."""
@@ -356,8 +356,8 @@ class Scheduler:
         # one call per tier: after a replay this drops the whole middle again (~180 blocks for
         # a 3,000-token prompt), and per-block calls cost ~0.4 ms each
         kv.drop(seq.seq_id, chosen[0], keep_index=keep_index)
-        kv.drop_cold(seq.seq_id, chosen[1], keep_index=keep_index)
-        seq.stats.dropped_tokens += (len(chosen[0]) + len(chosen[1])) * kv.block_size
+        seq.stats.dropped_tokens += len(chosen[0]) * kv.block_size
+        self._drop_cold(seq, chosen[1])
 
     # ------------------------------------------------------------------ memory pressure
     def _decode_growth(self) -> int:
