@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import Projection, can_pack
@@ -45,11 +46,9 @@ def test_packed_rejects_other_inputs_clearly():
 def _panel_projection(weight, bias=None):
     proj = Projection(weight, bias)
     if proj.panel_linear is None:
-        ops = cpu_kernels.layer_ops()
-        # With a compiler, ninja and AVX512-BF16 on the machine the kernel must be there.
-        assert not (can_pack(weight) and ops is None and cpu_kernels.should_build()), \
-            "the layer ops failed to build (see the log)"
-        pytest.skip("no panel kernel here (no oneDNN, compiler or AVX512-BF16)")
+        if can_pack(weight):  # a failed build where a toolchain exists fails here
+            built_or_skip(cpu_kernels.layer_ops(), "layer ops")
+        pytest.skip("no panel kernel here (no oneDNN or no AVX512-BF16)")
     return proj
 
 
