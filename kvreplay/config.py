@@ -1,8 +1,9 @@
 """One validated configuration for the engine; Python keywords and CLI flags all land here."""
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +62,14 @@ def parse_layers(value) -> frozenset[int] | None:
     return frozenset(layers)
 
 
+DEVICE_ENV = "KVREPLAY_DEVICE"
+
+
+def default_device() -> str:
+    """The device an engine runs on when none is named: $KVREPLAY_DEVICE, else "cpu"."""
+    return os.environ.get(DEVICE_ENV) or "cpu"
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine.
@@ -68,7 +77,7 @@ class EngineConfig:
     Attributes:
         model: a .gguf file, a Hugging Face directory, or None for the embedded SmolLM2-135M.
         dtype: weights, activations and KV cache ("float32" for exactness, "bfloat16" for speed).
-        device: "cpu" or "cuda[:N]".
+        device: "cpu" or "cuda[:N]" (default: $KVREPLAY_DEVICE, else "cpu").
         kv_cache_memory: bytes of KV cache (int or "256MiB").
         block_size: tokens per KV block.
         max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
@@ -114,7 +123,7 @@ class EngineConfig:
     """
     model: str | None = None
     dtype: str | torch.dtype = "bfloat16"
-    device: str = "cpu"
+    device: str = field(default_factory=default_device)
     kv_cache_memory: int | str = "256MiB"
     block_size: int = 16
     max_num_batched_tokens: int = 512
@@ -192,7 +201,7 @@ class EngineConfig:
             raise ValueError(f"unknown trim_order {self.trim_order!r}; use one of {', '.join(TRIM_ORDERS)}")
         if not isinstance(self.approx_prefill, bool):
             raise ValueError(f"approx_prefill must be True or False, got {self.approx_prefill!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA GPU; use device='cpu'")

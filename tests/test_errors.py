@@ -79,6 +79,22 @@ def test_bad_engine_config(kwargs, message):
         EngineConfig(**kwargs)
 
 
+def test_device_follows_the_environment_and_a_bad_one_is_a_clear_error(monkeypatch):
+    import torch
+    monkeypatch.setenv("KVREPLAY_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        EngineConfig()
+    assert EngineConfig(device="cpu").device == "cpu"  # an explicit device wins
+    monkeypatch.setenv("KVREPLAY_DEVICE", "cuda")
+    if torch.cuda.is_available():
+        assert EngineConfig().device == "cuda"
+    else:
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            EngineConfig()
+    monkeypatch.delenv("KVREPLAY_DEVICE")
+    assert EngineConfig().device == "cpu"
+
+
 def test_unknown_llm_keyword():
     with pytest.raises(TypeError, match="unknown LLM option"):
         LLM(kv_cache_mem="1GiB")

@@ -12,11 +12,11 @@ LOGIT_TOLERANCE = 1e-3  # absolute, on logits of magnitude ~40; fp32 on both sid
 
 def _chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, computed chunk by chunk through the paged cache."""
-    cfg = model.config
+    cfg, device = model.config, model.device
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size) + 1
     kv = KVManager(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                   torch.float32)
+                   torch.float32, device)
     # A scrambled block table: pages need not be contiguous or ordered.
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
     pieces = []
@@ -25,11 +25,13 @@ def _chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
         positions = torch.arange(start, end)
         slots = table[positions // block_size] * block_size + positions % block_size
         mask = None if start == 0 else torch.arange(end)[None, :] <= positions[:, None]
-        meta = AttentionMetadata(slot_mapping=slots,
-                                 prefills=[PrefillSlice(0, end - start, end, table, mask)])
-        pieces.append(model.forward(torch.tensor(token_ids[start:end]), positions, kv.kv_caches,
-                                    meta, None))
-    return torch.cat(pieces)
+        if mask is not None:
+            mask = mask.to(device)
+        meta = AttentionMetadata(slot_mapping=slots.to(device),
+                                 prefills=[PrefillSlice(0, end - start, end, table.to(device), mask)])
+        pieces.append(model.forward(torch.tensor(token_ids[start:end], device=device), positions.to(device),
+                                    kv.kv_caches, meta, None))
+    return torch.cat(pieces).cpu()
 
 
 def test_logits_match_transformers_on_1500_tokens(llm32, hf_reference, real_text):

@@ -100,7 +100,7 @@ def compare_continuation(reference: torch.Tensor, tokens: list[int],
 def _bucketed_kl(policy_top: dict[int, float], reference: torch.Tensor, floor: float = 1e-12) -> float:
     ids = list(policy_top)
     p = torch.tensor([math.exp(policy_top[i]) for i in ids], dtype=torch.float64)
-    q = reference[ids].double().exp()
+    q = reference[ids].double().exp().cpu()
     p_rest = max(1.0 - p.sum().item(), 0.0)
     q_rest = max(1.0 - q.sum().item(), floor)
     kl = (p * (p.clamp_min(floor).log() - q.clamp_min(floor).log())).sum().item()

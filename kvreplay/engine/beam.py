@@ -48,7 +48,7 @@ class BeamGroup:
         """Choose the next beams from the pending log-probs: (parent, token, score) each."""
         k = self.width
         logprobs = torch.stack([self.pending[s.seq_id] for s in self.live])      # [B, V]
-        scores = torch.tensor([self.scores.get(s.seq_id, 0.0) for s in self.live])
+        scores = torch.tensor([self.scores.get(s.seq_id, 0.0) for s in self.live], device=logprobs.device)
         total = (logprobs + scores[:, None]).view(-1)                           # [B * V]
         vocab = logprobs.shape[1]
         values, indices = total.topk(min(2 * k, total.numel()))

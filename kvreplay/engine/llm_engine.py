@@ -265,6 +265,7 @@ class LLMEngine:
         if sampled:
             params = [seq.params for seq in sampled]
             tokens = sample(logits, params, [seq.generator for seq in sampled])
+            chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
             want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
             logprob_rows = {}
             if want_logprobs:
@@ -272,12 +273,12 @@ class LLMEngine:
                 k = max(params[i].logprobs for i in want_logprobs)
                 for i, entry in zip(want_logprobs, top_logprobs(logits[index], tokens[index], k)):
                     keep = params[i].logprobs
-                    chosen = int(tokens[i])
+                    chosen = chosen_ids[i]
                     top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:keep])
                     top[chosen] = entry[chosen]
                     logprob_rows[i] = top
             for row, seq in enumerate(sampled):
-                self._append(seq, int(tokens[row]), logprob_rows.get(row))
+                self._append(seq, chosen_ids[row], logprob_rows.get(row))
                 touched[seq.request_id] = self.requests[seq.request_id]
         self.scheduler.trim_after_step(prefilled)
         outputs = []
