@@ -16,7 +16,8 @@ out=${OUT:-gpu_check_out}
 py=${PYTHON:-python3}
 steps=${STEPS:-1,2,3,4}
 mkdir -p "$out"
-export KVREPLAY_DEVICE=${KVREPLAY_DEVICE:-cuda} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export KVREPLAY_DEVICE=${KVREPLAY_DEVICE:-cuda} KVREPLAY_TEST_THREADS=${KVREPLAY_TEST_THREADS:-8} \
+  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 has() { [[ ",$steps," == *",$1,"* ]]; }
 

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# 2 threads (this project's CI machine); KVREPLAY_TEST_THREADS=N for a bigger one (bench/gpu_check.sh).
+torch.set_num_threads(int(os.environ.get("KVREPLAY_TEST_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
