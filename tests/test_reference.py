@@ -54,6 +54,25 @@ def _hf_greedy(hf_reference, ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _assert_same_greedy(llm, hf_reference, ids: list[int], ours: list[int], max_new_tokens: int, label):
+    """Our greedy tokens equal transformers' greedy tokens. On the CPU exactly. On a GPU the float
+    sums run in another order, so a near tie may go the other way: there the two may part at one
+    step, provided transformers' own logits there rate our token within 2 x LOGIT_TOLERANCE of its
+    choice (each side is within LOGIT_TOLERANCE of the other's logits); what follows that step is
+    not compared, since the two continue from different tokens."""
+    expected = _hf_greedy(hf_reference, ids, max_new_tokens)
+    if llm.engine.model.device.type == "cpu" or ours == expected:
+        assert ours == expected, label
+        return
+    step = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), None)
+    assert step is not None, f"{label}: one stopped early: {ours} vs {expected}"
+    with torch.no_grad():
+        logits = hf_reference(torch.tensor([ids + expected[:step]])).logits[0, -1]
+    margin = (logits[expected[step]] - logits[ours[step]]).item()
+    assert margin <= 2 * LOGIT_TOLERANCE, (f"{label}: parted at step {step} ({ours[step]} vs {expected[step]}), "
+                                           f"transformers' margin {margin:.2e} is no tie")
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a pirate. Answer in pirate speak."},
@@ -68,12 +87,12 @@ def test_greedy_chat_matches_transformers_generate(llm32, hf_reference):
     params = SamplingParams(max_tokens=40, temperature=0)
     outputs = llm32.chat(CONVERSATIONS, params, on_step=lambda e: e.check_integrity())
     for conversation, output in zip(CONVERSATIONS, outputs):
-        expected = _hf_greedy(hf_reference, llm32.chat_prompt_ids(conversation), 40)
-        assert output.token_ids == expected, conversation
+        _assert_same_greedy(llm32, hf_reference, llm32.chat_prompt_ids(conversation), output.token_ids, 40,
+                            conversation)
 
 
 def test_greedy_long_raw_prompt_matches_transformers(llm32, hf_reference, real_text):
     ids = llm32.tokenizer(real_text[20000:]).input_ids[:1200]
     output = llm32.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                             on_step=lambda e: e.check_integrity())
-    assert output.token_ids == _hf_greedy(hf_reference, ids, 24)
+    _assert_same_greedy(llm32, hf_reference, ids, output.token_ids, 24, "long raw prompt")
