@@ -17,7 +17,7 @@ Usage:
     python bench/replay_serving.py [--requests 16] [--prompt-tokens 3000] [--output-tokens 64]
         [--full-holds 4] [--policies full,replay] [--window-tokens 256] [--trim prefill]
         [--replay-threshold 0.8] [--need-layers 20-23] [--heavy-tokens 32] [--resident-ratio 0.25]
-        [--threads 2] [--device cuda] [--json out.json]
+        [--watermarks 0.6,0.7,0.85] [--threads 2] [--device cuda] [--json out.json]
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
     llm = LLM(dtype=args.dtype, device=args.device, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
               need_layers=args.need_layers, heavy_tokens=args.heavy_tokens,
-              resident_ratio=args.resident_ratio, max_num_seqs=args.max_num_seqs)
+              resident_ratio=args.resident_ratio, max_num_seqs=args.max_num_seqs,
+              **({"watermarks": args.watermarks} if args.watermarks else {}))
     engine = llm.engine
     batches = []
     schedule = engine.scheduler.schedule
@@ -111,6 +112,8 @@ def main(argv=None) -> None:
                         help="cap each decoding sequence's resident KV at this share of full's")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--watermarks", default=None,
+                        help="low,admit,high for every policy of the run (default: the engine's)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: $KVREPLAY_DEVICE, else cpu)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
