@@ -82,6 +82,9 @@ class AttentionMetadata:
     # The compiled decode kernel (kvreplay.engine.cpu_kernels) when this step can use it (no
     # cold tier); the PyTorch path below otherwise, with rows padded by decode_padding.
     decode_kernel: Callable | None = None
+    # The compiled causal attention for prefill chunks with nothing cached before them (bf16 on
+    # a CPU with AVX512-BF16; kvreplay.engine.cpu_kernels.prefill_attention); else SDPA.
+    prefill_kernel: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
@@ -110,6 +113,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_end)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, C, D]
+        if chunk.mask is None and meta.prefill_kernel is not None and q.dtype == torch.bfloat16:
+            out[rows] = meta.prefill_kernel(q[rows], k[rows], v[rows], scale)
+            if chunk.observe:
+                _observe_prefill(chunk, query[0], k[rows].transpose(0, 1), None, scale, block_size)
+            continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)

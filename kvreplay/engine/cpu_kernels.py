@@ -64,6 +64,13 @@ def need_block_mass() -> Any | None:
     return None if ops is None else ops.need_block_mass
 
 
+def prefill_attention() -> Any | None:
+    """Causal attention of a fresh bf16 prompt chunk (same extension), or None where it does
+    not build or the CPU lacks AVX512-BF16."""
+    ops = _load("decode_attention")
+    return ops.prefill_causal if ops is not None and ops.has_prefill_causal() else None
+
+
 def layer_ops() -> Any | None:
     """`torch.ops.kvreplay_layer` (add_rms_norm, rope_write_cache), or None as above."""
     return _load("layer_ops")

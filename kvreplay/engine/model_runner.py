@@ -34,6 +34,9 @@ class ModelRunner:
         self.probed_mass: list[float] = []
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
+        # Fresh bf16 prompt chunks go to the compiled causal kernel where it builds (else SDPA).
+        self.prefill_kernel = cpu_kernels.prefill_attention() \
+            if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -49,7 +52,7 @@ class ModelRunner:
         slots: list[torch.Tensor] = []
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefill_kernel=self.prefill_kernel)
         self.probed, self.probed_mass = [], []
         self.last_hot_reads = 0
 
