@@ -33,6 +33,9 @@ class PrefillSlice:
     block_table: torch.Tensor  # [num_blocks] block ids whose rows are gathered
     mask: torch.Tensor | None  # [chunk, context] bool, None when nothing was cached before it
     observe: int = 0           # score this many last queries against every key (importance)
+    # Keys are positions 0 .. context_tokens - 1 in order and query j sits at position
+    # causal_from + j (plain causal attention); None when the keys are a resident subset.
+    causal_from: int | None = None
     mass: torch.Tensor | None = None  # [context blocks] their block mass, summed over layers
 
 
@@ -82,8 +85,8 @@ class AttentionMetadata:
     # The compiled decode kernel (kvreplay.engine.cpu_kernels) when this step can use it (no
     # cold tier); the PyTorch path below otherwise, with rows padded by decode_padding.
     decode_kernel: Callable | None = None
-    # The compiled causal attention for prefill chunks with nothing cached before them (bf16 on
-    # a CPU with AVX512-BF16; kvreplay.engine.cpu_kernels.prefill_attention); else SDPA.
+    # The compiled causal attention for prefill chunks whose earlier positions are all resident
+    # (bf16 on a CPU with AVX512-BF16; kvreplay.engine.cpu_kernels.prefill_attention); else SDPA.
     prefill_kernel: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
@@ -113,10 +116,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_end)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, C, D]
-        if chunk.mask is None and meta.prefill_kernel is not None and q.dtype == torch.bfloat16:
-            out[rows] = meta.prefill_kernel(q[rows], k[rows], v[rows], scale)
+        if chunk.causal_from is not None and meta.prefill_kernel is not None and q.dtype == torch.bfloat16:
+            if chunk.mask is None:  # the chunk's own K/V, token-major
+                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            else:  # cached positions and the chunk, head-major [Hkv, context, D]
+                keys = key_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :chunk.context_tokens]
+                values = value_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :chunk.context_tokens]
+            out[rows] = meta.prefill_kernel(q[rows], keys.transpose(0, 1), values.transpose(0, 1), scale,
+                                            chunk.causal_from)
             if chunk.observe:
-                _observe_prefill(chunk, query[0], k[rows].transpose(0, 1), None, scale, block_size)
+                _observe_prefill(chunk, query[0], keys, chunk.mask, scale, block_size)
             continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
             keys = k[rows].transpose(0, 1).unsqueeze(0)

@@ -65,8 +65,8 @@ def need_block_mass() -> Any | None:
 
 
 def prefill_attention() -> Any | None:
-    """Causal attention of a fresh bf16 prompt chunk (same extension), or None where it does
-    not build or the CPU lacks AVX512-BF16."""
+    """Causal attention of a bf16 prompt chunk over its resident earlier positions and itself
+    (same extension), or None where it does not build or the CPU lacks AVX512-BF16."""
     ops = _load("decode_attention")
     return ops.prefill_causal if ops is not None and ops.has_prefill_causal() else None
 

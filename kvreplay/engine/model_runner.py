@@ -154,11 +154,12 @@ class ModelRunner:
         block_size = self.kv.block_size
         needed = full_table[:-(-end // block_size)]
         if start == 0:  # nothing cached before: the chunk's own K/V suffice
-            return PrefillSlice(row, row + end - start, end, needed.to(self.device), None)
+            return PrefillSlice(row, row + end - start, end, needed.to(self.device), None, causal_from=0)
         resident = (needed != DROPPED).nonzero().flatten()  # [R] table indices
         if len(resident) == len(needed):
             mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-            return PrefillSlice(row, row + end - start, end, needed.to(self.device), mask.to(self.device))
+            return PrefillSlice(row, row + end - start, end, needed.to(self.device), mask.to(self.device),
+                                causal_from=start)
         key_positions = (resident[:, None] * block_size + torch.arange(block_size)).flatten()
         mask = key_positions[None, :] <= torch.arange(start, end)[:, None]  # [chunk, R*bs]
         return PrefillSlice(row, row + end - start, len(key_positions), needed[resident].to(self.device),
