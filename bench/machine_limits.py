@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def _median_seconds(fn, repeats: int = 7) -> float:
+def median_seconds(fn, repeats: int = 7) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     cfg = read_model_config(None)
     src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
     dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src))
+    copy_s = median_seconds(lambda: dst.copy_(src))
     bandwidth = 2 * src.numel() * 4 / copy_s  # bytes read + written per second
     read = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MiB, larger than any cache
-    read_bandwidth = read.numel() * 2 / _median_seconds(lambda: read.sum())
+    read_bandwidth = read.numel() * 2 / median_seconds(lambda: read.sum())
 
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             def step():
                 for w, width in weights:
                     matmul(x[width], w)
-            step_s = _median_seconds(step, repeats=5)
+            step_s = median_seconds(step, repeats=5)
             flops = 2 * batch * weight_params
             print(f"batch {batch:>3}, {name:<10}: matmuls of one decode step {step_s * 1e3:7.1f} ms "
                   f"({flops / step_s / 1e9:6.1f} GFLOP/s, weights at {weight_bytes / step_s / 1e9:4.1f} GB/s) "

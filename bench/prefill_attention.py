@@ -9,23 +9,11 @@ Usage: python bench/prefill_attention.py [--tokens 128,512,2048] [--threads 2] [
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-
-
-def _median_us(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+from machine_limits import median_seconds  # a sibling script (bench/ is on the path)
 
 
 def main(argv=None) -> int:
@@ -57,7 +45,8 @@ def main(argv=None) -> int:
         scores = q.float().transpose(0, 1) @ k.float().transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2)
         scores = (scores * scale).masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), float("-inf"))
         exact = (torch.softmax(scores, -1) @ v.float().transpose(0, 1).repeat_interleave(group, 0)).transpose(0, 1)
-        ours_us, sdpa_us = _median_us(lambda: kernel(q, k, v, scale), args.repeats), _median_us(sdpa, args.repeats)
+        ours_us = median_seconds(lambda: kernel(q, k, v, scale), args.repeats) * 1e6
+        sdpa_us = median_seconds(sdpa, args.repeats) * 1e6
         ours_err = (kernel(q, k, v, scale).float() - exact).abs().max().item()
         sdpa_err = (sdpa().float() - exact).abs().max().item()
         print(f"| {tokens} | {ours_us:.0f} | {sdpa_us:.0f} | {sdpa_us / ours_us:.2f}x | {ours_err:.4f} | {sdpa_err:.4f} |")
