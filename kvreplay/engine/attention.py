@@ -113,37 +113,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if num_decode:
         out[:num_decode] = _decode_attention(q[:num_decode], key_cache, value_cache, meta, scale)
 
+    kernel = meta.prefill_kernel if q.dtype == torch.bfloat16 else None
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_end)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, C, D]
-        if chunk.causal_from is not None and meta.prefill_kernel is not None and q.dtype == torch.bfloat16:
-            if chunk.mask is None:  # the chunk's own K/V, token-major
-                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            else:  # cached positions and the chunk, head-major [Hkv, context, D]
-                keys = key_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :chunk.context_tokens]
-                values = value_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :chunk.context_tokens]
-            out[rows] = meta.prefill_kernel(q[rows], keys.transpose(0, 1), values.transpose(0, 1), scale,
-                                            chunk.causal_from)
-            if chunk.observe:
-                _observe_prefill(chunk, query[0], keys, chunk.mask, scale, block_size)
-            continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
-            keys = k[rows].transpose(0, 1).unsqueeze(0)
-            values = v[rows].transpose(0, 1).unsqueeze(0)
-            result = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                                    scale=scale, enable_gqa=True)
-            if chunk.observe:
-                _observe_prefill(chunk, query[0], keys[0], None, scale, block_size)
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, C, D]
         else:
             context = chunk.context_tokens
             # index_select: ~9x faster than advanced indexing on a middle dimension here
             keys = key_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :context]
             values = value_cache.index_select(1, chunk.block_table).view(num_kv, -1, head_dim)[:, :context]
+        if kernel is not None and chunk.causal_from is not None:  # plain causal: the compiled op
+            out[rows] = kernel(q[rows], keys.transpose(0, 1), values.transpose(0, 1), scale, chunk.causal_from)
+        else:
             result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
-                                                    attn_mask=chunk.mask, scale=scale, enable_gqa=True)
-            if chunk.observe:
-                _observe_prefill(chunk, query[0], keys, chunk.mask, scale, block_size)
-        out[rows] = result.squeeze(0).transpose(0, 1)
+                                                    attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                                    scale=scale, enable_gqa=True)
+            out[rows] = result.squeeze(0).transpose(0, 1)
+        if chunk.observe:
+            _observe_prefill(chunk, query[0], keys, chunk.mask, scale, block_size)
     return out
 
 

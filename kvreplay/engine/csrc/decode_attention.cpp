@@ -392,9 +392,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
 // Per KV head, K is packed once into 16-key blocks whose lanes hold (k[key][2j], k[key][2j+1])
 // pairs, and V into key pairs whose lanes hold (v[2i][d], v[2i+1][d]). A task is one KV head and
 // a tile of 16 query tokens: its G x 16 query rows score every key block up to the tile's last
-// position (fp32 sums, scaled, keys past each row's position masked), take an fp32 softmax per row, split
-// each probability into two bf16 parts (high + low: ~16 bits kept) and sum the values with fp32
-// sums (one pair dot product per part).
+// position (fp32 sums, scaled, keys past each row's position masked), take an fp32 softmax per
+// row, split each probability into two bf16 parts (high + low: ~16 bits kept) and sum the values
+// with fp32 sums (one pair dot product per part).
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kHavePrefillKernel = true;
 
@@ -405,8 +405,8 @@ inline __m512 bcast_pair(const c10::BFloat16* p) {
 }
 
 // out rows r0 .. r0 + RV of a task = their probabilities (bf16 high parts rows Cp apart, low parts
-// `low` further on) times the packed
-// values of the task's KV head, fp32 sums; rows past the chunk's last token are not written
+// `low` further on) times the packed values of the task's KV head, fp32 sums; rows past the
+// chunk's last token are not written
 template <int D, int RV>
 inline void prefill_values(const c10::BFloat16* probs, int64_t low, int64_t Cp, const uint32_t* vh, int64_t L, int64_t r0,
                            int64_t first, int64_t tokens, int64_t h, int64_t G, int64_t Hq, c10::BFloat16* out) {
