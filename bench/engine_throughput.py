@@ -199,7 +199,8 @@ def main(argv=None) -> int:
                         help="also time llama.cpp single-stream (needs llama-cpp-python)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads, the same for every engine")
-    parser.add_argument("--device", default=os.environ.get("KVREPLAY_DEVICE") or "cpu",
+    from kvreplay.config import default_device
+    parser.add_argument("--device", default=default_device(),
                         help="cpu or cuda[:N] for kvreplay and transformers; llama.cpp stays on the CPU "
                              "(default: $KVREPLAY_DEVICE, else %(default)s)")
     parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)

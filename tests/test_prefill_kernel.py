@@ -1,4 +1,5 @@
-"""The compiled causal attention for fresh bf16 prompt chunks against exact fp32 attention and SDPA."""
+"""The compiled causal attention for bf16 prompt chunks (fresh, or over cached positions) against
+exact fp32 attention and SDPA."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,7 @@ def test_prefill_kernel_rejects_bad_inputs(op):
 
 
 @pytest.mark.slow
-def test_engine_prefills_fresh_bf16_chunks_through_the_kernel(op, llm32):
+def test_engine_prefills_bf16_chunks_through_the_kernel(op, llm32):
     """A 700-token prompt (a fresh 512-token chunk, then 188 tokens over 512 cached positions)
     through the bf16 engine with the kernel and with SDPA:
     next-token log-probs against the fp32 engine's. Both are bf16 models, so both are off by

@@ -34,7 +34,8 @@ class ModelRunner:
         self.probed_mass: list[float] = []
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
-        # Fresh bf16 prompt chunks go to the compiled causal kernel where it builds (else SDPA).
+        # bf16 prompt chunks over resident earlier positions go to the compiled causal kernel
+        # where it builds (else SDPA).
         self.prefill_kernel = cpu_kernels.prefill_attention() \
             if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
 

@@ -404,11 +404,11 @@ inline __m512 bcast_pair(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
 }
 
-// out rows r0 .. r0 + RV of a task = their probabilities (bf16 high parts rows Cp apart, low parts
+// out rows r0 .. r0 + RV of a task = their probabilities (bf16 high parts rows Lp apart, low parts
 // `low` further on) times the packed values of the task's KV head, fp32 sums; rows past the
 // chunk's last token are not written
 template <int D, int RV>
-inline void prefill_values(const c10::BFloat16* probs, int64_t low, int64_t Cp, const uint32_t* vh, int64_t L, int64_t r0,
+inline void prefill_values(const c10::BFloat16* probs, int64_t low, int64_t Lp, const uint32_t* vh, int64_t L, int64_t r0,
                            int64_t first, int64_t tokens, int64_t h, int64_t G, int64_t Hq, c10::BFloat16* out) {
   constexpr int NC = D / 16;
   __m512 acc[RV][NC];
@@ -418,8 +418,8 @@ inline void prefill_values(const c10::BFloat16* probs, int64_t low, int64_t Cp, 
     __m512bh vv[NC];  // the key pair's values, loaded once for every row
     for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vh + (pair * NC + c) * 16);
     for (int r = 0; r < RV; ++r) {
-      const __m512bh hi = (__m512bh)bcast_pair(probs + r * Cp + 2 * pair);
-      const __m512bh lo = (__m512bh)bcast_pair(probs + low + r * Cp + 2 * pair);
+      const __m512bh hi = (__m512bh)bcast_pair(probs + r * Lp + 2 * pair);
+      const __m512bh lo = (__m512bh)bcast_pair(probs + low + r * Lp + 2 * pair);
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][c], hi, vv[c]), lo, vv[c]);
     }
   }
