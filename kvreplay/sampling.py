@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvreplay.engine import cpu_kernels
+
 MAX_LOGPROBS = 20
 
 
@@ -76,11 +78,22 @@ def _check_int(name, value, minimum, optional=False):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] argmax of each row (the first on ties), through the compiled op for CPU
+    float32 logits where it builds (torch.argmax takes ~0.7 ms at 32 x 49,152 here, it ~0.1)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.shape[1] > 0:
+        ops = cpu_kernels.layer_ops()
+        if ops is not None:
+            return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: [B, V] float32 -> [B] token ids. Greedy rows use argmax; the others are sampled
     with their own generator so that a seeded request does not depend on its neighbours."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     for row, (param, generator) in enumerate(zip(params, generators)):
         if param.greedy:
             continue

@@ -145,3 +145,40 @@ def test_silu_mul_matches_pytorch(ops, dtype):
         assert (got != want).float().mean().item() < 0.01
     with pytest.raises(RuntimeError, match="gate_up must be"):
         ops.silu_mul(torch.randn(2, 7))
+
+
+def test_argmax_rows_is_torch_argmax(ops):
+    """Greedy decoding's argmax: torch.argmax's index on every row, ties (first), NaN (first
+    NaN), infinities, rows shorter than a vector and a tail past the last full vector."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 49152 + 7, generator=gen)
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(-1))
+    odd = torch.zeros(7, 40)
+    odd[1, [7, 30]] = 1.0                        # a tie across lanes: the first
+    odd[2, [20, 3]] = float("nan")               # NaN wins, the first one
+    odd[3] = float("-inf")                       # all -inf: index 0
+    odd[4, 39] = float("inf")                    # in the scalar tail
+    odd[5, [16, 32]] = 2.0                       # a tie within one lane
+    odd[6, 38] = float("nan")                    # NaN in the tail only
+    assert ops.argmax_rows(odd).tolist() == odd.argmax(-1).tolist() == [0, 7, 3, 0, 39, 16, 38]
+    short = torch.randn(4, 5, generator=gen)
+    assert torch.equal(ops.argmax_rows(short), short.argmax(-1))
+    strided = logits[:, ::2]
+    assert torch.equal(ops.argmax_rows(strided), strided.argmax(-1))
+    assert ops.argmax_rows(torch.zeros(0, 9)).shape == (0,)
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be"):
+        ops.argmax_rows(torch.zeros(3, 9).bfloat16())
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be"):
+        ops.argmax_rows(torch.zeros(3, 0))
+
+
+def test_greedy_sampling_uses_the_compiled_argmax(ops, monkeypatch):
+    from kvreplay import sampling
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(6))
+    calls = []
+    real = ops.argmax_rows
+    monkeypatch.setattr(cpu_kernels, "layer_ops", lambda: type("Ops", (), {
+        "argmax_rows": staticmethod(lambda x: calls.append(x.shape) or real(x))}))
+    params = [sampling.SamplingParams(temperature=0)] * 6
+    assert torch.equal(sampling.sample(logits, params, [None] * 6), logits.argmax(-1))
+    assert calls == [(6, 1000)]

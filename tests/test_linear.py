@@ -107,3 +107,20 @@ def test_panel_kernel_rejects_bad_inputs():
         torch.ops.kvreplay_layer.pack_panels(torch.randn(32, 63).bfloat16())
     assert Projection(torch.randn(30, 64).bfloat16()).panel_linear is None  # shape it cannot take
     assert proj.panel_linear(torch.zeros(0, 64).bfloat16(), proj.panels, None).shape == (0, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 32, 200])
+def test_float_output_is_the_bf16_result_widened(rows):
+    """The LM head's fp32 logits: bit for bit what the bf16 projection rounds to, widened (the
+    panel kernel widens as it stores; oneDNN above PANEL_ROWS rows, then .float())."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(112, 64, generator=gen).bfloat16()
+    bias = torch.randn(112, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    proj = _panel_projection(weight, bias)
+    got = proj.float_output(x)
+    assert got.dtype == torch.float32 and torch.equal(got, proj(x).float())
+    plain = Projection(weight.float())  # fp32 weights: F.linear
+    assert torch.equal(plain.float_output(x.float()), F.linear(x.float(), weight.float()))
+    with pytest.raises(RuntimeError, match="panel_linear_float: x must be"):
+        proj.panel_linear_float(torch.randn(1, 64), proj.panels, None)

@@ -50,6 +50,7 @@ class Projection:
         self.packed = pack and can_pack(weight)
         ops = _panel_ops(weight) if self.packed else None
         self.panel_linear = None if ops is None else ops.panel_linear
+        self.panel_linear_float = None if ops is None else ops.panel_linear_float
         self.panels = None if ops is None else ops.pack_panels(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
@@ -62,3 +63,11 @@ class Projection:
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
         return F.linear(x, self.weight, self.bias)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).float()` (the LM head's logits); the panel kernel widens as it stores
+        instead of a second pass (~0.4 ms of a batch-32 decode step here)."""
+        if self.panel_linear_float is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
+                and x.shape[0] <= PANEL_ROWS:
+            return self.panel_linear_float(x, self.panels, self.bias)
+        return self(x).float()

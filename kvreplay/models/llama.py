@@ -142,4 +142,4 @@ class LlamaModel:
         if logit_indices is not None:
             delta, residual = delta[logit_indices], residual[logit_indices]
         hidden, _ = norm(delta.contiguous(), residual.contiguous(), self.norm, eps)
-        return self.lm_head(hidden).float()
+        return self.lm_head.float_output(hidden)

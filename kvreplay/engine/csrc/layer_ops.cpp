@@ -21,6 +21,12 @@
 //       fp32 (AVX512-BF16 pair dot products), one rounding to bf16 at the end. On this machine
 //       all matmuls of a decode step take 6-8 ms at batch 1 (oneDNN: ~13 ms), ~10 ms at batch 12
 //       (oneDNN: ~15 ms) and ~23 ms at batch 32 (oneDNN: ~28 ms).
+//   panel_linear_float(x, packed, bias?)
+//       The same products and roundings, each output rounded to bf16 as above and stored widened
+//       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
+//   argmax_rows(x) -> for each row of a 2-D fp32 tensor, the index of its largest value, the
+//       first one on ties, a NaN's when the row has one: torch.argmax's answer. At 32 rows of
+//       49,152 logits torch.argmax takes ~0.7 ms here, most of it outside the memory reads.
 //
 // Built without -ffast-math and with -ffp-contract=off so that every rounding above happens
 // where it is written. Built on first use by kvreplay/engine/cpu_kernels.py.
@@ -287,9 +293,18 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__)
+// Stores 16 sums rounded to bf16: as bf16 (OutT = uint16_t) or widened back to fp32 (float).
+inline void store_rounded(uint16_t* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store_rounded(float* out, __m512 v) {
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+}
+
 // MB rows of x against one panel of T tiles: MB x T accumulators stay in registers.
-template <int MB, int T>
-void panel_block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N,
+template <int MB, int T, typename OutT>
+void panel_block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT* out, int64_t N,
                  int64_t K) {
   __m512 acc[MB][T];
   for (int m = 0; m < MB; ++m)
@@ -307,20 +322,18 @@ void panel_block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
   for (int t = 0; t < T; ++t) {
     const __m512 b = bias ? kvreplay_simd::load16(reinterpret_cast<const c10::BFloat16*>(bias) + t * kLanes)
                           : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + t * kLanes),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][t], b)));
+    for (int m = 0; m < MB; ++m) store_rounded(out + m * N + t * kLanes, _mm512_add_ps(acc[m][t], b));
   }
 }
 
-template <int T>
-void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
+template <int T, typename OutT>
+void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT* out, int64_t M,
                 int64_t N, int64_t K) {
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
     const int64_t rows = (M - m0) / (blocks - b);  // balanced: 9 rows -> 5 + 4, not 8 + 1
     const uint16_t* xm = x + m0 * K;
-    uint16_t* om = out + m0 * N;
+    OutT* om = out + m0 * N;
     m0 += rows;
     switch (rows) {
       case 1: panel_block<1, T>(xm, w, bias, om, N, K); break;
@@ -336,43 +349,128 @@ void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint
 }
 #endif
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         bool widen, const char* name) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2 &&
               packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "panel_linear: weight must come from pack_panels");
+              name, ": weight must come from pack_panels");
   const int64_t N = packed.size(0) * kLanes, K = packed.size(1) * 2;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
-              "panel_linear: x must be bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+              name, ": x must be bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
-                "panel_linear: bias must be bf16 [", N, "]");
+                name, ": bias must be bf16 [", N, "]");
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = x.size(0);
-  auto out = at::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t tiles = N / kLanes;
-  at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanelTiles * kLanes;
-      const uint16_t* w = wp + n0 * K;
-      const uint16_t* b = bp ? bp + n0 : nullptr;
-      switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
-        case 1: panel_rows<1>(xp, w, b, op + n0, M, N, K); break;
-        case 2: panel_rows<2>(xp, w, b, op + n0, M, N, K); break;
-        default: panel_rows<kPanelTiles>(xp, w, b, op + n0, M, N, K); break;
+  auto run = [&](auto* op) {
+    at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanelTiles * kLanes;
+        const uint16_t* w = wp + n0 * K;
+        const uint16_t* b = bp ? bp + n0 : nullptr;
+        switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
+          case 1: panel_rows<1>(xp, w, b, op + n0, M, N, K); break;
+          case 2: panel_rows<2>(xp, w, b, op + n0, M, N, K); break;
+          default: panel_rows<kPanelTiles>(xp, w, b, op + n0, M, N, K); break;
+        }
+      }
+    });
+  };
+  if (widen)
+    run(out.data_ptr<float>());
+  else
+    run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+#else
+  TORCH_CHECK(false, name, ": this build has no AVX512-BF16 (check has_panel_linear first)");
+#endif
+  return out;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  return panel_product(x, packed, bias, false, "panel_linear");
+}
+
+at::Tensor panel_linear_float(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& bias) {
+  return panel_product(x, packed, bias, true, "panel_linear_float");
+}
+
+// ---- argmax_rows ----
+// One pass per row: 16 lanes keep their largest value and its first index (a later equal value
+// does not replace it), then the lanes are reduced to the smallest index holding the maximum.
+// A NaN anywhere sends the row to the scalar rule (torch.argmax: the first NaN).
+int64_t argmax_scalar(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(row[i])) return i;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+int64_t argmax_row(const float* row, int64_t n) {
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 best = _mm512_loadu_ps(row);
+    __m512i best_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = best_index;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      index = _mm512_add_epi32(index, step);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_blend_ps(greater, best, v);
+      best_index = _mm512_mask_blend_epi32(greater, best_index, index);
+    }
+    if (nan || n > INT32_MAX) return argmax_scalar(row, n);
+    float values[16];
+    int32_t indices[16];
+    _mm512_storeu_ps(values, best);
+    _mm512_storeu_si512(indices, best_index);
+    int64_t result = indices[0];
+    float top = values[0];
+    for (int lane = 1; lane < 16; ++lane)
+      if (values[lane] > top || (values[lane] == top && indices[lane] < result)) {
+        top = values[lane];
+        result = indices[lane];
+      }
+    for (; i < n; ++i) {
+      if (std::isnan(row[i])) return i;
+      if (row[i] > top) {
+        top = row[i];
+        result = i;
       }
     }
-  });
-#else
-  TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (check has_panel_linear first)");
+    return result;
+  }
 #endif
+  return argmax_scalar(row, n);
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows: x must be a float32 [rows, n] tensor with n > 0, got ", x.scalar_type(), " ",
+              x.sizes());
+  auto xc = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
   return out;
 }
 
@@ -391,9 +489,13 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("panel_linear_float(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("has_panel_linear() -> bool", &has_panel_linear);
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+  m.impl("panel_linear_float", c10::DispatchKey::CPU, &panel_linear_float);
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_write_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_q, int num_kv, "
