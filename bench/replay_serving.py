@@ -6,7 +6,9 @@ at once. Every policy runs the same requests in the same process, one after the 
 
 Reported per policy:
 - decode tok/s: decode tokens of decode-only steps / time of those steps (the aggregate decode
-  rate once prompts are in; mixed steps are left out of both sides),
+  rate once prompts are in; mixed steps are left out of both sides), and that rate split in two:
+  while requests wait (the engine at capacity: admission is what stops them) and once none waits
+  (the drain: the batch shrinks as requests finish),
 - output tok/s: all output tokens / wall time of the run (prefill and replays included),
 - mean decode batch, peak running sequences, pauses, replays, replayed tokens and their share of
   all processed tokens (prompt + replayed + output), approximate tokens,
@@ -18,6 +20,8 @@ Usage:
         [--full-holds 4] [--policies full,replay] [--window-tokens 256] [--trim prefill]
         [--replay-threshold 0.8] [--need-layers 20-23] [--heavy-tokens 32] [--resident-ratio 0.25]
         [--watermarks 0.6,0.7,0.85] [--threads 2] [--device cuda] [--json out.json]
+        [--timeline steps.jsonl]  (one line per step and policy: decodes, prefill and replay
+                                   tokens, pool use, running, waiting, seconds)
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import time
 import torch
 
 
-def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -> dict:
+def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, timeline=None) -> dict:
     from kvreplay import LLM, SamplingParams
     llm = LLM(dtype=args.dtype, device=args.device, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
@@ -55,9 +59,11 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
     ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     outputs = {}
     decode_time = decode_tokens = decode_steps = 0
+    phases = {"waiting": [0, 0.0, 0], "drain": [0, 0.0, 0]}  # decode tokens, seconds, steps
     peak_running = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        waiting = engine.num_waiting
         step_start = time.perf_counter()
         results = engine.step()
         elapsed = time.perf_counter() - step_start
@@ -66,6 +72,17 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
             decode_time += elapsed
             decode_tokens += len(batch.decodes)
             decode_steps += 1
+            phase = phases["waiting" if waiting else "drain"]
+            phase[0] += len(batch.decodes)
+            phase[1] += elapsed
+            phase[2] += 1
+        if timeline is not None and batch is not None:
+            timeline.write(json.dumps({
+                "policy": policy, "t": round(step_start - start, 4), "seconds": round(elapsed, 5),
+                "decodes": len(batch.decodes), "prefill_tokens": sum(n for _, n in batch.prefills),
+                "replay_tokens": sum(r.num_tokens for r in batch.replays),
+                "pool_used": round(engine.kv.num_used_blocks / engine.kv.num_blocks, 4),
+                "running": engine.num_running, "waiting": engine.num_waiting}) + "\n")
         peak_running = max(peak_running, engine.num_running)
         for out in results:
             if out.finished:
@@ -79,6 +96,9 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args) -
     result = {
         "policy": policy, "wall_s": wall, "decode_tok_s": decode_tokens / decode_time if decode_time else None,
         "output_tok_s": output_tokens / wall, "mean_decode_batch": decode_tokens / max(1, decode_steps),
+        **{f"{name}_{key}": value for name, (tokens, seconds, steps) in phases.items()
+           for key, value in (("decode_tok_s", tokens / seconds if seconds else None),
+                              ("mean_batch", tokens / max(1, steps)), ("steps", steps))},
         "peak_running": peak_running, "pauses": sum(s.pauses for s in stats),
         "replays": sum(s.replays for s in stats), "replayed_tokens": replayed,
         "replay_share": replayed / (prompt_tokens + replayed + output_tokens),
@@ -116,6 +136,7 @@ def main(argv=None) -> None:
                         help="low,admit,high for every policy of the run (default: the engine's)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: $KVREPLAY_DEVICE, else cpu)")
     parser.add_argument("--json")
+    parser.add_argument("--timeline", help="write one JSON line per engine step here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -127,6 +148,7 @@ def main(argv=None) -> None:
     step = (len(corpus) - args.prompt_tokens) // args.requests
     prompts = [corpus[i * step:i * step + args.prompt_tokens] for i in range(args.requests)]
     runs = []
+    timeline = open(args.timeline, "w") if args.timeline else None
     bytes_per_token = None
     for policy in args.policies.split(","):
         if bytes_per_token is None:
@@ -136,7 +158,9 @@ def main(argv=None) -> None:
             del probe
         budget = int(args.full_holds * (args.prompt_tokens + args.output_tokens) * bytes_per_token)
         print(f"{policy}: budget {budget / 2**20:.1f} MiB ({args.full_holds} long requests of full KV)", flush=True)
-        runs.append(run_policy(policy, budget, prompts, args))
+        runs.append(run_policy(policy, budget, prompts, args, timeline))
+    if timeline is not None:
+        timeline.close()
     reference = runs[0]["tokens"]
     for run in runs:
         same = [run["tokens"][k] == reference[k] for k in reference]
@@ -156,6 +180,15 @@ def main(argv=None) -> None:
               f"{r['mean_decode_batch']:.1f} | {r['peak_running']} | {r['pauses']} | {r['replays']} | "
               f"{r['replayed_tokens']} | {r['replay_share']:.3f} | {r['approx_tokens']} | "
               f"{r['exact_vs_first']:.2f} | {r['matching_prefix_vs_first']:.1f} |")
+    print()
+    print("decode-only steps by phase: while requests wait (at capacity) | once none waits (drain)")
+    print("| policy | waiting: decode tok/s | mean batch | steps | drain: decode tok/s | mean batch | steps |")
+    print("|---|---|---|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for r in runs:
+        print(f"| {r['policy']} | {fmt(r['waiting_decode_tok_s'])} | {r['waiting_mean_batch']:.1f} | "
+              f"{r['waiting_steps']} | {fmt(r['drain_decode_tok_s'])} | {r['drain_mean_batch']:.1f} | "
+              f"{r['drain_steps']} |")
     base = runs[0]
     for r in runs[1:]:
         print(f"{r['policy']} / {base['policy']}: decode tok/s x{r['decode_tok_s'] / base['decode_tok_s']:.2f}, "
