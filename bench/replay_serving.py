@@ -82,7 +82,8 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, t
                 "decodes": len(batch.decodes), "prefill_tokens": sum(n for _, n in batch.prefills),
                 "replay_tokens": sum(r.num_tokens for r in batch.replays),
                 "pool_used": round(engine.kv.num_used_blocks / engine.kv.num_blocks, 4),
-                "running": engine.num_running, "waiting": engine.num_waiting}) + "\n")
+                "paused": len(batch.paused), "running": engine.num_running,
+                "waiting": engine.num_waiting}) + "\n")
         peak_running = max(peak_running, engine.num_running)
         for out in results:
             if out.finished:
