@@ -5,6 +5,7 @@ real text and the sequences are trimmed before the timed steps, as in that bench
 
 Usage: python bench/profile_decode.py [--batch 32] [--threads 1] [--prompt-tokens 128] [--steps 5]
            [--policy replay --resident-ratio 0.2 --heavy-tokens 32 --need-layers 20-23]
+           [--python [--sort cumulative]]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heavy-tokens", type=int, default=0)
     parser.add_argument("--need-layers", default=None)
     parser.add_argument("--replay-threshold", type=float, default=0.65)
+    parser.add_argument("--window-tokens", type=int, default=256, help="as bench/replay_serving.py")
     parser.add_argument("--sort", default="self_cpu_time_total", help="profiler table order")
     parser.add_argument("--python", action="store_true",
                         help="cProfile the steps instead (where the Python time goes)")
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     dropping = args.policy != "full"
     options = dict(policy=args.policy, trim="prefill", resident_ratio=args.resident_ratio,
                    heavy_tokens=args.heavy_tokens, need_layers=args.need_layers,
-                   replay_threshold=args.replay_threshold) if dropping else {}
+                   replay_threshold=args.replay_threshold, window_tokens=args.window_tokens) if dropping else {}
     llm = LLM(dtype=args.dtype, kv_cache_memory="1GiB", max_num_batched_tokens=8192,
               enable_prefix_caching=False, **options)
     engine = llm.engine
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             engine.step()
         profiler.disable()
         print(f"batch {args.batch}: {step_ms:.1f} ms per decode step ({args.batch / step_ms * 1e3:.0f} tok/s)")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler).sort_stats(args.sort if args.sort in ("tottime", "cumulative") else "tottime").print_stats(40)
         return 0
     with profile(record_shapes=True) as prof:
         for _ in range(args.steps):
