@@ -624,7 +624,7 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
     // per task: q split by sign (bounds), q with channels reordered evens-then-odds (the order
     // the packed codes unpack in), one slot's lo/hi, one dequantized block, scores
     std::vector<float> qpos(G * D), qneg(G * D), qperm(G * D), lof(D), hif(D), lop(D), dif(D),
-        bound(N), keys(bs * D), block_lse;
+        bound(N), keys(bs * D), summaries(32 * D), block_lse;
     std::vector<int64_t> order;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / Hkv, kv = task % Hkv;
@@ -639,8 +639,45 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
           qperm[g * D + D / 2 + i] = qh[g * D + 2 * i + 1];
         }
       order.clear();
-      for (int64_t n = 0; n < N; ++n) {  // Quest bound: sum_d max(q_d lo_d, q_d hi_d), max over heads
-        if (!ok[r * N + n]) continue;
+      for (int64_t n = 0; n < N; ++n)
+        if (ok[r * N + n]) order.push_back(n);
+      // Quest bound of each dropped block: sum_d max(q_d lo_d, q_d hi_d), the max over the heads.
+#if defined(__AVX512F__)
+      if (D % 16 == 0 && D <= 256) {
+        // 16 blocks at a time: per head, each block's 16-lane partial sums, then one transposing
+        // reduction (lane_sums16) gives the 16 blocks' bounds in one vector.
+        __m512 partial[16];
+        for (size_t first = 0; first < order.size(); first += 16) {
+          const int64_t count = std::min<int64_t>(16, static_cast<int64_t>(order.size() - first));
+          for (int64_t i = 0; i < count; ++i) {  // the 16 blocks' lo and hi, widened once for all heads
+            const int64_t at = (kv * S + slots[r * N + order[first + i]]) * D;
+            widen_half(lp + at, summaries.data() + 2 * i * D, D);
+            widen_half(hp + at, summaries.data() + (2 * i + 1) * D, D);
+          }
+          __m512 best = _mm512_set1_ps(neg_inf);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* a = qpos.data() + g * D;
+            const float* b = qneg.data() + g * D;
+            for (int64_t i = 0; i < 16; ++i) {
+              __m512 acc = _mm512_setzero_ps();
+              const float* lo_i = summaries.data() + 2 * i * D;
+              const float* hi_i = lo_i + D;
+              if (i < count)
+                for (int64_t d = 0; d < D; d += 16) {
+                  acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(hi_i + d), acc);
+                  acc = _mm512_fmadd_ps(_mm512_loadu_ps(b + d), _mm512_loadu_ps(lo_i + d), acc);
+                }
+              partial[i] = acc;
+            }
+            best = _mm512_max_ps(best, kvreplay_simd::lane_sums16(partial));
+          }
+          float sums[16];
+          _mm512_storeu_ps(sums, best);
+          for (int64_t i = 0; i < count; ++i) bound[order[first + i]] = sums[i];
+        }
+      } else
+#endif
+      for (const int64_t n : order) {
         const int64_t at = (kv * S + slots[r * N + n]) * D;
         widen_half(lp + at, lof.data(), D);
         widen_half(hp + at, hif.data(), D);
@@ -654,7 +691,6 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
           best = std::max(best, sum);
         }
         bound[n] = best;
-        order.push_back(n);
       }
       const int64_t k = std::min<int64_t>(top_blocks, static_cast<int64_t>(order.size()));
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
@@ -682,6 +718,22 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
         }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qperm.data() + g * D;
+#if defined(__AVX512F__)
+          if (bs == 16 && D % 16 == 0) {  // the block's 16 scores as one vector, one vector exp
+            __m512 partial[16];
+            for (int64_t t = 0; t < 16; ++t) {
+              __m512 acc = _mm512_setzero_ps();
+              for (int64_t d = 0; d < D; d += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(keys.data() + t * D + d), acc);
+              partial[t] = acc;
+            }
+            const __m512 scores = kvreplay_simd::lane_sums16(partial);
+            const float m = _mm512_reduce_max_ps(scores);
+            const float sum = _mm512_reduce_add_ps(kvreplay_simd::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
+            block_lse[j * G + g] = m + std::log(sum);
+            continue;
+          }
+#endif
           float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
           float s[256];
           const int64_t rows = std::min<int64_t>(bs, 256);
