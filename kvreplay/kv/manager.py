@@ -332,9 +332,6 @@ class KVManager:
     def num_dropped_tokens(self, seq_id: int) -> int:
         return len(self._dropped.get(seq_id, ())) * self.block_size
 
-    def has_key_index(self, seq_id: int) -> bool:
-        return any(r.slot is not None for r in self._dropped.get(seq_id, {}).values())
-
     def index_slots(self, seq_id: int) -> list[int]:
         """Key-index slots of `seq_id`'s dropped blocks (the need detector reads them)."""
         return [r.slot for r in self._dropped.get(seq_id, {}).values() if r.slot is not None]
@@ -342,8 +339,9 @@ class KVManager:
     def resident_bytes(self, seq_id: int) -> int:
         """Bytes `seq_id` holds: its hot blocks (shared ones counted whole) and index slots."""
         cold = len(self.cold_slots(seq_id)) * self.cold_pool.slot_bytes if self.cold_pool else 0
-        return len(self.resident_blocks(seq_id)) * self.block_bytes + \
-            len(self.index_slots(seq_id)) * self.key_index.slot_bytes + cold
+        table = self._tables.get(seq_id, [])
+        indexed = sum(r.slot is not None for r in self._dropped.get(seq_id, {}).values())
+        return (len(table) - table.count(DROPPED)) * self.block_bytes + indexed * self.key_index.slot_bytes + cold
 
     def bytes_freed_by_drop(self, cold: bool, keep_index: bool) -> int:
         """How much `resident_bytes` falls when one unshared hot (or cold) block is dropped."""
