@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--need-layers", default=None)
     parser.add_argument("--replay-threshold", type=float, default=0.65)
     parser.add_argument("--window-tokens", type=int, default=256, help="as bench/replay_serving.py")
-    parser.add_argument("--sort", default="self_cpu_time_total", help="profiler table order")
+    parser.add_argument("--sort", default="self_cpu_time_total",
+                        help="order of the torch profiler's table; with --python: tottime or cumulative")
     parser.add_argument("--python", action="store_true",
                         help="cProfile the steps instead (where the Python time goes)")
     args = parser.parse_args(argv)

@@ -622,7 +622,8 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
   const float inv15 = 1.f / 15.f;
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
     // per task: q split by sign (bounds), q with channels reordered evens-then-odds (the order
-    // the packed codes unpack in), one slot's lo/hi, one dequantized block, scores
+    // the packed codes unpack in), one slot's lo/hi, 16 slots' lo/hi (vector bounds), one
+    // dequantized block, scores
     std::vector<float> qpos(G * D), qneg(G * D), qperm(G * D), lof(D), hif(D), lop(D), dif(D),
         bound(N), keys(bs * D), summaries(32 * D), block_lse;
     std::vector<int64_t> order;
@@ -643,7 +644,7 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
         if (ok[r * N + n]) order.push_back(n);
       // Quest bound of each dropped block: sum_d max(q_d lo_d, q_d hi_d), the max over the heads.
 #if defined(__AVX512F__)
-      if (D % 16 == 0 && D <= 256) {
+      if (D % 16 == 0) {
         // 16 blocks at a time: per head, each block's 16-lane partial sums, then one transposing
         // reduction (lane_sums16) gives the 16 blocks' bounds in one vector.
         __m512 partial[16];
