@@ -35,12 +35,8 @@ class BlockImportance:
         """Add `mass[i]` to block `block_indices[i]` of `seq_id` (both 1-D, same length)."""
         if len(block_indices) == 0:
             return
-        if isinstance(block_indices, list):
-            need = max(block_indices) + 1
-            block_indices = torch.tensor(block_indices, dtype=torch.long)
-        else:
-            block_indices = block_indices.to("cpu", torch.long)
-            need = int(block_indices.max()) + 1
+        block_indices = torch.as_tensor(block_indices, dtype=torch.long, device="cpu")
+        need = int(block_indices.max()) + 1
         scores = self._mass.get(seq_id)
         if scores is None or len(scores) < need:
             grown = torch.zeros(max(need, 2 * (0 if scores is None else len(scores)), 16))

@@ -419,7 +419,7 @@ int64_t argmax_scalar(const float* row, int64_t n) {
 
 int64_t argmax_row(const float* row, int64_t n) {
 #if defined(__AVX512F__)
-  if (n >= 16) {
+  if (n >= 16 && n <= INT32_MAX) {  // lane indices are int32
     __m512 best = _mm512_loadu_ps(row);
     __m512i best_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i index = best_index;
@@ -434,7 +434,7 @@ int64_t argmax_row(const float* row, int64_t n) {
       best = _mm512_mask_blend_ps(greater, best, v);
       best_index = _mm512_mask_blend_epi32(greater, best_index, index);
     }
-    if (nan || n > INT32_MAX) return argmax_scalar(row, n);
+    if (nan) return argmax_scalar(row, n);
     float values[16];
     int32_t indices[16];
     _mm512_storeu_ps(values, best);
