@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--need-layers", default=None)
     parser.add_argument("--replay-threshold", type=float, default=0.65)
     parser.add_argument("--window-tokens", type=int, default=256, help="as bench/replay_serving.py")
+    parser.add_argument("--layered-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="as bench/replay_serving.py")
     parser.add_argument("--sort", default="self_cpu_time_total",
                         help="order of the torch profiler's table; with --python: tottime or cumulative")
     parser.add_argument("--python", action="store_true",
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
     dropping = args.policy != "full"
     options = dict(policy=args.policy, trim="prefill", resident_ratio=args.resident_ratio,
                    heavy_tokens=args.heavy_tokens, need_layers=args.need_layers,
-                   replay_threshold=args.replay_threshold, window_tokens=args.window_tokens) if dropping else {}
+                   replay_threshold=args.replay_threshold, window_tokens=args.window_tokens,
+                   layered_prefill=args.layered_prefill) if dropping else {}
     llm = LLM(dtype=args.dtype, kv_cache_memory="1GiB", max_num_batched_tokens=8192,
               enable_prefix_caching=False, **options)
     engine = llm.engine

@@ -6,10 +6,12 @@ at once. Every policy runs the same requests in the same process, one after the 
 
 Reported per policy:
 - decode tok/s: decode tokens of decode-only steps / time of those steps (the aggregate decode
-  rate once prompts are in; mixed steps are left out of both sides), and that rate split in two:
+  rate once prompts are in; steps with prefill, replay or layered-prefill work are left out of
+  both sides), and that rate split in two:
   while requests wait (the engine at capacity: admission is what stops them) and once none waits
   (the drain: the batch shrinks as requests finish),
 - output tok/s: all output tokens / wall time of the run (prefill and replays included),
+- time to first token (all requests arrive at the start): mean, median and last,
 - mean decode batch, peak running sequences, pauses, replays, replayed tokens and their share of
   all processed tokens (prompt + replayed + output), approximate tokens,
 - agreement with `full`: the fraction of requests whose output equals full's exactly, and the
@@ -17,11 +19,14 @@ Reported per policy:
 
 Usage:
     python bench/replay_serving.py [--requests 16] [--prompt-tokens 3000] [--output-tokens 64]
-        [--full-holds 4] [--policies full,replay] [--window-tokens 256] [--trim prefill]
+        [--full-holds 4] [--policies full,replay,replay/layered] [--window-tokens 256] [--trim prefill]
         [--replay-threshold 0.8] [--need-layers 20-23] [--heavy-tokens 32] [--resident-ratio 0.25]
         [--watermarks 0.6,0.7,0.85] [--threads 2] [--device cuda] [--json out.json]
         [--timeline steps.jsonl]  (one line per step and policy: decodes, prefill and replay
-                                   tokens, pool use, running, waiting, seconds)
+                                   tokens, layers of layered prefills, pool use, running,
+                                   waiting, seconds)
+    A policy may carry a variant: POLICY/layered computes prompts whose middle is dropped after
+    prefill one layer at a time (LLM(layered_prefill=True)); POLICY/chunked in token chunks.
 """
 from __future__ import annotations
 
@@ -33,12 +38,17 @@ import time
 import torch
 
 
-def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, timeline=None) -> dict:
+def run_policy(name: str, budget_bytes: int, prompts: list[list[int]], args, timeline=None) -> dict:
     from kvreplay import LLM, SamplingParams
+    policy, _, variant = name.partition("/")
+    if variant not in ("", "layered", "chunked"):
+        raise SystemExit(f"unknown variant {variant!r} in {name!r}: use POLICY, POLICY/layered or POLICY/chunked")
+    layered = args.layered_prefill if not variant else variant == "layered"
     llm = LLM(dtype=args.dtype, device=args.device, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
               need_layers=args.need_layers, heavy_tokens=args.heavy_tokens,
               resident_ratio=args.resident_ratio, max_num_seqs=args.max_num_seqs,
+              layered_prefill=layered,
               **({"watermarks": args.watermarks} if args.watermarks else {}))
     engine = llm.engine
     batches = []
@@ -57,6 +67,7 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, t
     del warm
     batches.clear()
     ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    first_token = {}  # request -> seconds from the start to its first output token
     outputs = {}
     decode_time = decode_tokens = decode_steps = 0
     phases = {"waiting": [0, 0.0, 0], "drain": [0, 0.0, 0]}  # decode tokens, seconds, steps
@@ -68,7 +79,8 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, t
         results = engine.step()
         elapsed = time.perf_counter() - step_start
         batch = batches[-1] if batches else None
-        if batch is not None and batch.decodes and not batch.prefills and not batch.replays:
+        if batch is not None and batch.decodes and not batch.prefills and not batch.replays \
+                and not batch.layers:
             decode_time += elapsed
             decode_tokens += len(batch.decodes)
             decode_steps += 1
@@ -78,13 +90,18 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, t
             phase[2] += 1
         if timeline is not None and batch is not None:
             timeline.write(json.dumps({
-                "policy": policy, "t": round(step_start - start, 4), "seconds": round(elapsed, 5),
+                "policy": name, "t": round(step_start - start, 4), "seconds": round(elapsed, 5),
                 "decodes": len(batch.decodes), "prefill_tokens": sum(n for _, n in batch.prefills),
                 "replay_tokens": sum(r.num_tokens for r in batch.replays),
+                "layers": sum(len(layers) for _, layers in batch.layers),  # of layered prefills
                 "pool_used": round(engine.kv.num_used_blocks / engine.kv.num_blocks, 4),
                 "paused": len(batch.paused), "running": engine.num_running,
                 "waiting": engine.num_waiting}) + "\n")
         peak_running = max(peak_running, engine.num_running)
+        now = time.perf_counter() - start
+        for seq in engine.scheduler.running:
+            if seq.num_output_tokens and seq.request_id not in first_token:
+                first_token[seq.request_id] = now
         for out in results:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0]
@@ -94,8 +111,10 @@ def run_policy(policy: str, budget_bytes: int, prompts: list[list[int]], args, t
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(outputs[i].token_ids) for i in ids)
     replayed = sum(s.replayed_tokens for s in stats)
+    ttft = sorted(first_token.get(i, wall) for i in ids)
     result = {
-        "policy": policy, "wall_s": wall, "decode_tok_s": decode_tokens / decode_time if decode_time else None,
+        "policy": name, "wall_s": wall,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": ttft[len(ttft) // 2], "ttft_max_s": ttft[-1], "decode_tok_s": decode_tokens / decode_time if decode_time else None,
         "output_tok_s": output_tokens / wall, "mean_decode_batch": decode_tokens / max(1, decode_steps),
         **{f"{name}_{key}": value for name, (tokens, seconds, steps) in phases.items()
            for key, value in (("decode_tok_s", tokens / seconds if seconds else None),
@@ -131,6 +150,11 @@ def main(argv=None) -> None:
                         help="middle tokens with the most observed attention kept hot (default: 0)")
     parser.add_argument("--resident-ratio", type=float, default=None,
                         help="cap each decoding sequence's resident KV at this share of full's")
+    parser.add_argument("--layered-prefill", action=argparse.BooleanOptionalAction, default=False,
+                        help="compute a prompt whose middle is dropped after prefill one layer at a "
+                             "time, for every policy without a variant (default: off, the engine's "
+                             "default); 'replay/layered' or 'replay/chunked' in --policies sets it "
+                             "for one run")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--watermarks", default=None,
@@ -172,13 +196,14 @@ def main(argv=None) -> None:
             prefix.append(n)
         run["exact_vs_first"] = sum(same) / len(same)
         run["matching_prefix_vs_first"] = sum(prefix) / len(prefix)
-    header = ("policy", "decode tok/s", "output tok/s", "wall s", "mean batch", "peak running", "pauses",
+    header = ("policy", "decode tok/s", "output tok/s", "wall s", "TTFT mean/p50/max s", "mean batch",
+              "peak running", "pauses",
               "replays", "replayed tok", "replay share", "approx tok", "exact vs first", "match prefix")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in runs:
         print(f"| {r['policy']} | {r['decode_tok_s']:.1f} | {r['output_tok_s']:.1f} | {r['wall_s']:.1f} | "
-              f"{r['mean_decode_batch']:.1f} | {r['peak_running']} | {r['pauses']} | {r['replays']} | "
+              f"{r['ttft_mean_s']:.1f} / {r['ttft_p50_s']:.1f} / {r['ttft_max_s']:.1f} | {r['mean_decode_batch']:.1f} | {r['peak_running']} | {r['pauses']} | {r['replays']} | "
               f"{r['replayed_tokens']} | {r['replay_share']:.3f} | {r['approx_tokens']} | "
               f"{r['exact_vs_first']:.2f} | {r['matching_prefix_vs_first']:.1f} |")
     print()

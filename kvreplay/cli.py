@@ -64,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--approx-prefill", action="store_true",
                        help="replay: prefill chunks attend to what is resident instead of "
                             "replaying dropped ranges first")
+    group.add_argument("--layered-prefill", action="store_true",
+                       help="replay (trim prefill), window: compute a long prompt whose middle is "
+                            "dropped after prefill one layer at a time, so its middle's K/V never "
+                            "fill the pool at once (lower peak, more prompts admitted together)")
     group.add_argument("--heavy-tokens", type=int, default=0,
                        help="middle tokens per sequence kept hot beside the window: the blocks "
                             "with the most observed attention (H2O heavy hitters) (default: %(default)s)")
@@ -103,7 +107,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         need_layers=args.need_layers, cold_dtype=args.cold_dtype, sparse_budget=args.sparse_budget,
                         dense_layers=args.dense_layers, heavy_tokens=args.heavy_tokens,
                         trim_order=args.trim_order, hot_turns=args.hot_turns,
-                        resident_ratio=args.resident_ratio)
+                        resident_ratio=args.resident_ratio, layered_prefill=args.layered_prefill)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,6 +117,14 @@ class EngineConfig:
             sequence whose resident KV (hot + cold + key index) is above this share of what
             `full` would hold drops middle blocks, least important first (cold ones in
             replay+cold), until it is not (None: no per-sequence cap).
+        layered_prefill: a prompt (or resumed range) whose middle a dropping preset drops
+            right after its prefill (replay with trim="prefill", window) is computed one layer
+            at a time over its whole range: only one layer's K/V of the middle exists at once,
+            so admitting it needs the blocks it keeps (sinks, window, key index) plus working
+            memory instead of its whole K/V. The K/V kept are bit for bit those of the
+            chunked prefill. Heavy hitters are chosen among the middle's last
+            8 x heavy_tokens; the dropped middle never enters the prefix cache, so a
+            replay recomputes what a chunked prefill's cached blocks would give back free.
         hot_turns: chat rounds (a user message and what follows it) at the end of a chat that
             the cold presets keep in full precision beside the system prompt (the seeds'
             multi-turn rule; 0: only the window).
@@ -148,6 +156,7 @@ class EngineConfig:
     trim_order: str = "importance"
     hot_turns: int = 2
     resident_ratio: float | None = None
+    layered_prefill: bool = False
 
     def __post_init__(self):
         self.torch_dtype = parse_dtype(self.dtype)
@@ -199,8 +208,9 @@ class EngineConfig:
             raise ValueError(f"resident_ratio is a share of full KV in (0, 1] or None, got {self.resident_ratio!r}")
         if self.trim_order not in TRIM_ORDERS:
             raise ValueError(f"unknown trim_order {self.trim_order!r}; use one of {', '.join(TRIM_ORDERS)}")
-        if not isinstance(self.approx_prefill, bool):
-            raise ValueError(f"approx_prefill must be True or False, got {self.approx_prefill!r}")
+        for name in ("approx_prefill", "layered_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -88,12 +88,14 @@ class LLMEngine:
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=config.heavy_tokens, trim_order=config.trim_order,
-                                   resident_ratio=config.resident_ratio)
+                                   resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
+                                   layered_work=self._layered_work if config.layered_prefill else None)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=config.need_layer_set,
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
-                                  observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes)
+                                  observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
+                                  layered_chunk_tokens=config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -242,6 +244,7 @@ class LLMEngine:
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:
                 prefilled.append(seq)
+        self._finish_layered(batch, prefilled)
         self._finish_replays(batch)
         fired = self._need_fired()
         for seq in batch.decodes:
@@ -290,6 +293,27 @@ class LLMEngine:
             if done or request.stream:
                 outputs.append(self._output(request))
         return outputs
+
+    def _layered_work(self, start: int, end: int) -> int:
+        """Working bytes of a layered prefill of positions [start, end): the residual stream of
+        its tokens and one layer's K/V of every position before `end` (the scratch cache)."""
+        cfg, block_size = self.model_config, self.config.block_size
+        dtype_bytes = torch.finfo(self.config.torch_dtype).bits // 8
+        scratch = -(-end // block_size) * block_size * self.kv_bytes_per_token // cfg.num_layers
+        return (end - start) * cfg.hidden_size * dtype_bytes + scratch
+
+    def _finish_layered(self, batch, prefilled: list) -> None:
+        """Layered prefills whose last layer ran: their range is computed."""
+        for seq, _ in batch.layers:
+            state = seq.layered
+            if state.next_layer < self.model_config.num_layers:
+                continue
+            seq.stats.replayed_tokens += max(0, min(state.end, seq.replay_end) - state.start)
+            seq.num_computed_tokens = state.end
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, through_dropped=True)
+            self.kv.end_layered(seq.seq_id)
+            seq.layered = None
+            prefilled.append(seq)
 
     def _finish_replays(self, batch) -> None:
         """Check each replayed block against its fingerprint; a mismatch means the replay did
@@ -380,8 +404,10 @@ class LLMEngine:
         """KV pool invariants plus: each live sequence owns room for exactly its computed tokens."""
         self.kv.check_integrity()
         for seq in self.scheduler.running:
-            assert self.kv.num_slots(seq.seq_id) == seq.num_computed_tokens, \
-                f"seq {seq.seq_id}: {self.kv.num_slots(seq.seq_id)} slots, {seq.num_computed_tokens} computed"
+            # a layered prefill holds room for its whole range from the start
+            expected = seq.layered.end if seq.layered is not None else seq.num_computed_tokens
+            assert self.kv.num_slots(seq.seq_id) == expected, \
+                f"seq {seq.seq_id}: {self.kv.num_slots(seq.seq_id)} slots, {expected} expected"
         for seq in self.scheduler.waiting:
             assert self.kv.num_slots(seq.seq_id) == seq.num_computed_tokens, \
                 f"waiting seq {seq.seq_id} holds {self.kv.num_slots(seq.seq_id)} slots"

@@ -20,6 +20,11 @@ them in order, whole blocks at their original positions, before it decodes or pr
 room for a replay is made by trimming or pausing *other* sequences, so one sequence may replay
 while the rest stay trimmed.
 
+With `layered_prefill`, a prompt (or a resumed range) whose middle would be dropped right after
+its prefill is computed one layer at a time over its whole range instead of in token chunks:
+its middle starts out dropped and only its kept blocks, key-index slots and working memory count
+at admission. Each step hands it about a token budget's worth of layers.
+
 Pausing keeps the sequence's pinned head (protected span and sinks, `pause_mode="protected"`)
 or nothing (`"recompute"`, vLLM's recompute preemption). The KV manager does every block change;
 the scheduler only asks and then tells it what to do.
@@ -28,13 +33,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvreplay.kv.manager import KVManager
 from kvreplay.kv.policy import POLICIES, KVPolicy, Watermarks, middle_block_range, pause_cost
-from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.engine.sequence import LayeredPrefill, Sequence, SequenceStatus
 
 
 RETRIM_AFTER_STEPS = 32  # steps after its last replay before resident_ratio trims a sequence again
+# A layered prefill cannot pick heavy hitters after the fact (the middle's K/V never exist for
+# every layer at once), so it keeps this many times `heavy_tokens` of the middle's last blocks
+# hot as candidates, and the usual trim after prefill keeps the heavy ones among them. On
+# SmolLM2-135M over the serving bench's 3,000-token prompts, 24 of the 28 top-2 blocks by the
+# prompt's observed attention lie in the middle's last 16 blocks (bench note in
+# docs/benchmarks/replay.md).
+HEAVY_CANDIDATES = 8
 
 
 @dataclass
@@ -51,6 +64,7 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
     replays: list[ReplayChunk] = field(default_factory=list)
+    layers: list[tuple[Sequence, range]] = field(default_factory=list)  # layered prefills' layers
     paused: list[Sequence] = field(default_factory=list)
 
     @property
@@ -59,7 +73,7 @@ class ScheduledBatch:
             sum(r.num_tokens for r in self.replays)
 
     def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills or self.replays)
+        return bool(self.decodes or self.prefills or self.replays or self.layers)
 
 
 class Scheduler:
@@ -68,8 +82,13 @@ class Scheduler:
                  block_bytes: int = 1, policy: KVPolicy = POLICIES["full"],
                  window_tokens: int = 512, trim: str = "pressure", approx_prefill: bool = False,
                  heavy_tokens: int = 0, trim_order: str = "importance",
-                 resident_ratio: float | None = None):
+                 resident_ratio: float | None = None, num_layers: int = 1,
+                 layered_work: Callable[[int, int], int] | None = None):
         self.kv = kv
+        # Layered prefill (None: off): working bytes of computing positions [start, end) layer
+        # by layer, and the model's layer count.
+        self.layered_work = layered_work
+        self.num_layers = num_layers
         self.resident_ratio = resident_ratio
         self.heavy_blocks = heavy_tokens // kv.block_size
         self.by_importance = trim_order == "importance"
@@ -149,7 +168,9 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue
-            if self._wants_replay(seq):
+            if seq.layered is not None:
+                budget -= self._schedule_layers(seq, budget, batch)
+            elif self._wants_replay(seq):
                 budget -= self._schedule_replay(seq, budget, batch)
             elif seq.num_uncomputed_tokens > 1:
                 budget -= self._schedule_prefill(seq, budget, batch)
@@ -157,14 +178,23 @@ class Scheduler:
         # 3. Admission (resumes first: paused sequences sit at the front of the queue).
         admit_blocks = self.watermarks.admit * self.kv.num_blocks
         # Running prompts still to prefill are committed already: project them in.
+        # (A layered prefill holds its blocks from the start.)
         committed = self.kv.num_used_blocks + sum(
             self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens)
-            for seq in self.running if seq.num_uncomputed_tokens > 1)
+            for seq in self.running if seq.num_uncomputed_tokens > 1 and seq.layered is None)
         while self.waiting and budget > 0 and not batch.paused \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq.seq_id, seq.token_ids)
-            projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
+            layered = None if hits else self._layered_middle(seq)
+            if layered is not None:  # its hot blocks, index slots and working memory
+                projected = self.kv.num_blocks_layered(
+                    seq.seq_id, seq.num_uncomputed_tokens, layered, self.policy.keeps_key_index,
+                    self._layered_bytes(seq)) + \
+                    self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens + 1) - \
+                    self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens)
+            else:
+                projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
             if self.running:
                 if committed + projected > admit_blocks:
                     break
@@ -174,6 +204,8 @@ class Scheduler:
                     continue
                 if not self.kv.can_allocate(seq.seq_id, 1):
                     break
+            if layered is not None and not self._begin_layered(seq, layered) and self.running:
+                break  # (alone, it prefills in chunks instead)
             self.waiting.popleft()
             hit_tokens = self.kv.adopt_prefix(seq.seq_id, hits)
             seq.num_computed_tokens += hit_tokens
@@ -183,7 +215,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             committed += projected
-            budget -= self._schedule_prefill(seq, budget, batch)
+            if seq.layered is not None:
+                budget -= self._schedule_layers(seq, budget, batch)
+            else:
+                budget -= self._schedule_prefill(seq, budget, batch)
         return batch
 
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
@@ -195,10 +230,59 @@ class Scheduler:
             self._chunked.add(seq.seq_id)
         return chunk
 
+    # ------------------------------------------------------------------ layered prefill
+    def _layered_middle(self, seq: Sequence) -> range | None:
+        """The middle blocks a layered prefill of `seq`'s uncomputed tokens would leave dropped
+        from the start, or None when `seq` prefills in token chunks: layered prefill is off,
+        the preset keeps the middle after prefill, the range does not start on a block
+        boundary or something is dropped already, or it would save no memory."""
+        if self.layered_work is None or self.approx_prefill or seq.beam is not None or seq.forks:
+            return None
+        if not self.policy.drops_middle or self.policy.demotes or \
+                not (self.policy.slides or self.trim == "prefill"):
+            return None
+        start, end = seq.num_computed_tokens, seq.num_tokens
+        block_size = self.kv.block_size
+        if start % block_size or self.kv.num_slots(seq.seq_id) != start or \
+                self.kv.dropped_blocks(seq.seq_id) or end - start < 2:
+            return None
+        middle = middle_block_range(end, seq.pinned_tokens, self.window_tokens, block_size)
+        middle = range(max(middle.start, start // block_size),
+                       max(middle.start, middle.stop - HEAVY_CANDIDATES * self.heavy_blocks))
+        work_blocks = -(-self._layered_bytes(seq) // self.kv.block_bytes)
+        return middle if len(middle) > 2 * work_blocks else None
+
+    def _layered_bytes(self, seq: Sequence) -> int:
+        return self.layered_work(seq.num_computed_tokens, seq.num_tokens)
+
+    def _begin_layered(self, seq: Sequence, middle: range) -> bool:
+        start, end = seq.num_computed_tokens, seq.num_tokens
+        new = self.kv.begin_layered(seq.seq_id, end - start, middle, self.policy.keeps_key_index,
+                                    self._layered_bytes(seq))
+        if new is None:
+            return False
+        seq.layered = LayeredPrefill(start, end, new)
+        seq.stats.dropped_tokens += sum(index in middle for index in new) * self.kv.block_size
+        return True
+
+    def _schedule_layers(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """The next layers of `seq`'s layered prefill: about `budget` tokens' worth (at least
+        one layer). Returns the tokens they count for."""
+        state = seq.layered
+        tokens = state.end - state.start
+        left = self.num_layers - state.next_layer
+        count = min(left, max(1, budget * self.num_layers // tokens))
+        batch.layers.append((seq, range(state.next_layer, state.next_layer + count)))
+        self._busy.add(seq.seq_id)
+        self._chunked.add(seq.seq_id)
+        return min(budget, -(-count * tokens // self.num_layers))
+
     # ------------------------------------------------------------------ dropped ranges
     def _wants_replay(self, seq: Sequence) -> bool:
-        """Replay first: the detector asked, or a prefill chunk must see the dropped ranges."""
+        """Replay first: the detector asked, or a prefill chunk must see the dropped ranges
+        (a layered prefill computes its range whole: nothing before it is dropped)."""
         return seq.needs_replay or (seq.num_uncomputed_tokens > 1 and not self.approx_prefill
+                                    and seq.layered is None
                                     and bool(self.kv.dropped_blocks(seq.seq_id)))
 
     def _schedule_replay(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
@@ -409,6 +493,7 @@ class Scheduler:
         seq.stats.pauses += 1
         seq.stats.dropped_tokens += computed - kept
         seq.needs_replay = seq.replaying = False
+        seq.layered = None  # the KV manager released its working memory
         if kept == 0:
             seq.stats.preemptions += 1
         self.running.remove(seq)
@@ -423,6 +508,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.replay_end = max(seq.replay_end, computed)
         seq.needs_replay = seq.replaying = False
+        seq.layered = None
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

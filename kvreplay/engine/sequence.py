@@ -38,6 +38,18 @@ class RequestStats:
         return asdict(self)
 
 
+@dataclass
+class LayeredPrefill:
+    """Tokens [start, end) of a sequence computed one layer at a time (`layered_prefill`):
+    the scheduler hands out layers, the runner carries the residual stream between steps."""
+    start: int
+    end: int
+    new_blocks: list[int]         # table indices the KV manager began for the range
+    next_layer: int = 0
+    hidden: torch.Tensor | None = None  # [end - start, hidden]: the stream after next_layer - 1
+    mass: torch.Tensor | None = None    # [blocks up to end]: the last queries' block mass so far
+
+
 _ids = itertools.count()
 
 
@@ -69,6 +81,7 @@ class Sequence:
         self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
+        self.layered: LayeredPrefill | None = None  # a layered prefill under way
 
     @property
     def num_tokens(self) -> int:

@@ -71,15 +71,32 @@ class KeyIndex:
         if self._kept is not None:
             keys = keys.index_select(0, self._kept)
         num_blocks = keys.shape[2]
-        if num_blocks > len(self._free):
-            self._grow(max(self.capacity, num_blocks))
-        slots = [self._free.pop() for _ in range(num_blocks)]
+        slots = self.allocate(num_blocks)
         codes = quantize_keys_int4(keys)  # packed [L, Hkv, n, bs, D/2], lo/hi [L, Hkv, n, 1, D]
         index = torch.tensor(slots, device=self.device)
         self.codes.index_copy_(2, index, codes.packed)
         self.lo.index_copy_(2, index, codes.lo.squeeze(3))
         self.hi.index_copy_(2, index, codes.hi.squeeze(3))
         return slots
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """`num_blocks` slots whose keys `write_layer` fills one layer at a time (a prompt
+        computed layer by layer: its dropped blocks never have every layer's K/V at once)."""
+        if num_blocks > len(self._free):
+            self._grow(max(self.capacity, num_blocks))
+        return [self._free.pop() for _ in range(num_blocks)]
+
+    def write_layer(self, layer: int, slots: list[int], keys: torch.Tensor) -> None:
+        """keys: [Hkv, n, block_size, D] of model layer `layer` for `slots` (ignored when the
+        index does not keep that layer). Same codes as `add` would store."""
+        row = self._row.get(layer)
+        if row is None or not slots:
+            return
+        codes = quantize_keys_int4(keys)  # packed [Hkv, n, bs, D/2], lo/hi [Hkv, n, 1, D]
+        index = torch.tensor(slots, device=self.device)
+        self.codes[row].index_copy_(1, index, codes.packed)
+        self.lo[row].index_copy_(1, index, codes.lo.squeeze(2))
+        self.hi[row].index_copy_(1, index, codes.hi.squeeze(2))
 
     def remove(self, slots: list[int]) -> None:
         self._free.extend(slots)

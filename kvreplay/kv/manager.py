@@ -84,6 +84,10 @@ class KVManager:
         self.peak_cold_bytes = 0
         self._dropped: dict[int, dict[int, DroppedBlock]] = {}  # seq -> block index -> record
         self._reserved: list[int] = []  # pool blocks standing for the key index's bytes
+        # A layered prefill under way, per sequence: the first table index of its range (whose
+        # blocks hold only some layers until it ends) and the pool blocks standing for its
+        # working memory (its hidden states and one layer's K/V of the whole range).
+        self._layered: dict[int, tuple[int, list[int]]] = {}
         self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
         self.peak_resident_bytes = 0
         self.peak_index_bytes = 0
@@ -178,7 +182,7 @@ class KVManager:
         nothing and cost no replay."""
         table = self._tables.get(seq_id, [])
         slots = self._num_slots.get(seq_id, 0)
-        keep = min(len(table), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
+        keep = self._kept_blocks(seq_id, keep_pinned)
         replay_tokens, freed = slots - min(slots, keep * self.block_size), 0
         for index in range(keep, len(table)):
             if table[index] == DROPPED:
@@ -237,8 +241,11 @@ class KVManager:
         self._note_peak()
         return True
 
-    def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Hash the blocks of `seq_id` that became full and computed, and index them."""
+    def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
+               through_dropped: bool = False) -> None:
+        """Hash the blocks of `seq_id` that became full and computed, and index them.
+        `through_dropped`: blocks dropped before they were hashed (a layered prefill's middle,
+        computed exactly but never resident) get their hash, not a cache entry."""
         hashes = self._hashes[seq_id]
         full = min(num_computed_tokens, self._num_slots[seq_id]) // self.block_size
         if not self.enable_prefix_caching or len(hashes) >= full:
@@ -246,11 +253,12 @@ class KVManager:
         table, extra = self._tables[seq_id], self._extra_keys[seq_id]
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), full):
-            assert table[index] != DROPPED, f"seq {seq_id}: block {index} dropped before it was hashed"
+            assert through_dropped or table[index] != DROPPED, \
+                f"seq {seq_id}: block {index} dropped before it was hashed"
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
             parent = self._hash_fn(parent, tokens, extra)
             hashes.append(parent)
-            if not self.pool.cache.is_cached(table[index]):
+            if table[index] != DROPPED and not self.pool.cache.is_cached(table[index]):
                 self.pool.cache.insert(table[index], parent, tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -268,7 +276,7 @@ class KVManager:
         """Drop `seq_id`'s blocks past its pinned head (all of them when not `keep_pinned`).
         Full blocks stay in the prefix cache until evicted. Returns the tokens kept."""
         table = self._tables[seq_id]
-        keep = min(len(table), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
+        keep = self._kept_blocks(seq_id, keep_pinned)
         for block in reversed(table[keep:]):  # the tail is evicted first
             if block != DROPPED:
                 self.pool.release(block)
@@ -279,8 +287,17 @@ class KVManager:
         dropped = self._dropped.get(seq_id, {})
         for index in [i for i in dropped if i >= keep]:
             self._forget_dropped(seq_id, index)
+        self.end_layered(seq_id)
         self._rebalance_reserve()
         return kept_tokens
+
+    def _kept_blocks(self, seq_id: int, keep_pinned: bool) -> int:
+        """Leading table entries a pause keeps: the pinned head, less any part of it that a
+        layered prefill under way has not finished (those blocks lack their later layers)."""
+        keep = min(len(self._tables.get(seq_id, ())), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
+        if seq_id in self._layered:
+            keep = min(keep, self._layered[seq_id][0])
+        return keep
 
     def free(self, seq_id: int) -> None:
         """Release every block of `seq_id` (finish or abort) and forget it."""
@@ -491,6 +508,79 @@ class KVManager:
         self._rebalance_reserve()
         return mismatches
 
+    # ------------------------------------------------------------------ layered prefill
+    def num_blocks_layered(self, seq_id: int, num_new_tokens: int, middle: range, keep_index: bool,
+                           work_bytes: int) -> int:
+        """Pool blocks `begin_layered` would take: the new hot blocks, the key-index slots'
+        share of the reservation and the working memory's."""
+        have = len(self._tables.get(seq_id, ()))
+        new = range(have, _blocks_for(self._num_slots.get(seq_id, 0) + num_new_tokens, self.block_size))
+        dropped = sum(1 for index in new if index in middle)
+        index_bytes = dropped * self.key_index.slot_bytes if keep_index else 0
+        return len(new) - dropped + _blocks_for(index_bytes, self.block_bytes) + \
+            _blocks_for(work_bytes, self.block_bytes)
+
+    def begin_layered(self, seq_id: int, num_new_tokens: int, middle: range, keep_index: bool,
+                      work_bytes: int) -> list[int] | None:
+        """Room for `num_new_tokens` more tokens of `seq_id` computed layer by layer: new table
+        entries in `middle` start DROPPED (with a key-index slot when `keep_index`, filled by
+        `write_layer`), the others get pool blocks, and `work_bytes` of working memory are held
+        as reserved blocks until `end_layered`. The sequence must end on a block boundary and
+        have nothing dropped. Returns the new table indices, or None (no change) when the pool
+        cannot hold them."""
+        if seq_id not in self._tables:
+            self.add_sequence(seq_id)
+        table = self._tables[seq_id]
+        assert self._num_slots[seq_id] == len(table) * self.block_size, "layered prefill starts at a block boundary"
+        assert not self._dropped.get(seq_id) and seq_id not in self._layered, f"seq {seq_id}: not a fresh range"
+        if self.num_blocks_layered(seq_id, num_new_tokens, middle, keep_index, work_bytes) > self.pool.num_free:
+            return None
+        new = list(range(len(table), _blocks_for(self._num_slots[seq_id] + num_new_tokens, self.block_size)))
+        dropped = [index for index in new if index in middle]
+        slots = self.key_index.allocate(len(dropped)) if keep_index else [None] * len(dropped)
+        records = self._dropped.setdefault(seq_id, {}) if dropped else {}
+        num_kv, head_dim = self.kv_caches[0].shape[1], self.kv_caches[0].shape[-1]
+        for index, slot in zip(dropped, slots):  # fingerprints: written with the last layer
+            records[index] = DroppedBlock(slot, torch.zeros(2, num_kv, head_dim))
+        for index in new:
+            table.append(DROPPED if index in records else self.pool.take())
+        self._num_slots[seq_id] += num_new_tokens
+        self._rebalance_reserve()
+        self._layered[seq_id] = (new[0] if new else len(table),
+                                 [self.pool.take() for _ in range(_blocks_for(work_bytes, self.block_bytes))])
+        self._note_peak()
+        return new
+
+    def write_layer(self, seq_id: int, layer: int, scratch: torch.Tensor, new: list[int]) -> None:
+        """One layer of a layered prefill is computed: `scratch` [2, Hkv, n, block_size, D]
+        holds its K/V with scratch block i standing for table index i. The hot entries of
+        `new` (from `begin_layered`) take their K/V; the dropped ones their keys in the key
+        index and, at the last layer, their fingerprints (as `drop` takes them)."""
+        table = self._tables[seq_id]
+        device = scratch.device
+        hot = [index for index in new if table[index] != DROPPED]
+        if hot:
+            source = torch.tensor(hot, device=device)
+            target = torch.tensor([table[index] for index in hot], device=device)
+            self.kv_caches[layer].index_copy_(2, target, scratch.index_select(2, source))
+        records = self._dropped.get(seq_id, {})
+        dropped = [index for index in new if table[index] == DROPPED]
+        if not dropped:
+            return
+        source = torch.tensor(dropped, device=device)
+        slots = [records[index].slot for index in dropped]
+        if slots[0] is not None:
+            self.key_index.write_layer(layer, slots, scratch[0].index_select(1, source))
+        if layer == len(self.kv_caches) - 1:
+            fingerprints = scratch.index_select(2, source).float().sum(3).permute(2, 0, 1, 3).cpu()
+            for index, fingerprint in zip(dropped, fingerprints):
+                records[index].fingerprint = fingerprint
+
+    def end_layered(self, seq_id: int) -> None:
+        """Release a layered prefill's working memory (done, or the sequence paused)."""
+        for block in self._layered.pop(seq_id, (0, []))[1]:
+            self.pool.release(block)
+
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget slots past `num_tokens` (a decode step that is redone after a replay)."""
         table = self._tables[seq_id]
@@ -533,8 +623,9 @@ class KVManager:
         sequence's hash chain matches the cached content of its blocks; pins are held."""
         self.pool.check_integrity(self.block_size)
         counted = [0] * self.num_blocks
-        for block in self._reserved:
+        for block in self._reserved + [b for _, blocks in self._layered.values() for b in blocks]:
             counted[block] += 1
+        assert set(self._layered) <= set(self._tables), "working memory of an unknown sequence"
         assert len(self._reserved) == self._reserve_target(), "key-index reservation out of date"
         slots = [r.slot for records in self._dropped.values() for r in records.values()
                  if r.slot is not None]

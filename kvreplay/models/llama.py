@@ -97,49 +97,70 @@ class LlamaModel:
         Args:
             input_ids: [T] token ids of every scheduled token, all sequences concatenated.
             positions: [T] absolute positions.
-            kv_caches: per layer, [2, num_blocks, block_size, num_kv_heads, head_dim].
+            kv_caches: per layer, [2, num_kv_heads, num_blocks, block_size, head_dim].
             meta: where each token's K/V goes and what each query attends to.
             logit_indices: rows of the batch whose logits are wanted (None: all).
         Returns:
             [len(logit_indices), vocab] float32 logits.
         """
+        cos, sin = self.rope(positions)
+        # The residual stream is carried as (residual, delta): each norm adds the last sublayer's
+        # output in the same pass, as transformers' `residual + sublayer(x)` does.
+        delta, residual = self.embed(input_ids), None  # [T, hidden]
+        for index, kv_cache in enumerate(kv_caches):
+            delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
+        if logit_indices is not None:
+            delta, residual = delta[logit_indices], residual[logit_indices]
+        return self.logits(delta.contiguous(), residual.contiguous())
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] in the model dtype for `positions`."""
+        return (self.rope_cos.index_select(0, positions).to(self.dtype),
+                self.rope_sin.index_select(0, positions).to(self.dtype))
+
+    def logits(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and LM head: [T, vocab] float32 logits of the residual stream's rows."""
+        norm = self.layer_ops.add_rms_norm if self.layer_ops is not None else add_rms_norm
+        hidden, _ = norm(delta, residual, self.norm, self.config.rms_norm_eps)
+        return self.lm_head.float_output(hidden)
+
+    def layer(self, index: int, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer `index` over a flat batch: (delta, residual) in, (delta, residual) out.
+        Writes the tokens' K/V into `kv_cache` at `meta.slot_mapping`."""
         cfg = self.config
+        layer = self.layers[index]
         num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = num_q * head_dim, num_kv * head_dim
         eps = cfg.rms_norm_eps
         ops = self.layer_ops
         norm = ops.add_rms_norm if ops is not None else add_rms_norm
-        cos = self.rope_cos.index_select(0, positions).to(self.dtype)  # [T, D]
-        sin = self.rope_sin.index_select(0, positions).to(self.dtype)
-        # The residual stream is carried as (residual, delta): each norm adds the last sublayer's
-        # output in the same pass, as transformers' `residual + sublayer(x)` does.
-        delta, residual = F.embedding(input_ids, self.embed_tokens), None  # [T, hidden]
         num_tokens = delta.shape[0]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = norm(delta, residual, layer["input_norm"], eps)
-            qkv = layer["qkv"](x)  # [T, q_size + 2 kv_size]
-            if layer["q_norm"] is not None:
-                qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
-                qkv[:, :q_size + kv_size] = torch.cat(
-                    [rms_norm(qk[:, :num_q], layer["q_norm"], eps),
-                     rms_norm(qk[:, num_q:], layer["k_norm"], eps)], dim=1).view(num_tokens, -1)
-            if ops is not None:  # rotates q and k in place and writes k, v into the cache
-                ops.rope_write_cache(qkv, cos, sin, num_q, num_kv, kv_cache, meta.slot_mapping)
+        x, residual = norm(delta, residual, layer["input_norm"], eps)
+        qkv = layer["qkv"](x)  # [T, q_size + 2 kv_size]
+        if layer["q_norm"] is not None:
             qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
-            if ops is None:
-                qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # q and k heads in one pass
-            q, k = qk[:, :num_q], qk[:, num_q:]
-            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
-            attn = paged_attention(q, k, v, kv_cache, meta, self.scale,
-                                   cache_written=ops is not None)  # [T, num_q, D]
-            delta = layer["o"](attn.reshape(num_tokens, q_size))
-            x, residual = norm(delta, residual, layer["post_norm"], eps)
-            if ops is not None:
-                delta = layer["down"](ops.silu_mul(layer["gate_up"](x)))
-            else:
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-                delta = layer["down"](F.silu(gate) * up)
-        if logit_indices is not None:
-            delta, residual = delta[logit_indices], residual[logit_indices]
-        hidden, _ = norm(delta.contiguous(), residual.contiguous(), self.norm, eps)
-        return self.lm_head.float_output(hidden)
+            qkv[:, :q_size + kv_size] = torch.cat(
+                [rms_norm(qk[:, :num_q], layer["q_norm"], eps),
+                 rms_norm(qk[:, num_q:], layer["k_norm"], eps)], dim=1).view(num_tokens, -1)
+        if ops is not None:  # rotates q and k in place and writes k, v into the cache
+            ops.rope_write_cache(qkv, cos, sin, num_q, num_kv, kv_cache, meta.slot_mapping)
+        qk = qkv[:, :q_size + kv_size].view(num_tokens, num_q + num_kv, head_dim)
+        if ops is None:
+            qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # q and k heads in one pass
+        q, k = qk[:, :num_q], qk[:, num_q:]
+        v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv, head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale,
+                               cache_written=ops is not None)  # [T, num_q, D]
+        delta = layer["o"](attn.reshape(num_tokens, q_size))
+        x, residual = norm(delta, residual, layer["post_norm"], eps)
+        if ops is not None:
+            delta = layer["down"](ops.silu_mul(layer["gate_up"](x)))
+        else:
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            delta = layer["down"](F.silu(gate) * up)
+        return delta, residual
