@@ -218,6 +218,21 @@ def test_layered_prefill_admits_more_long_prompts_under_the_same_budget(corpus):
     assert peaks == [1, 3]
 
 
+def test_window_preset_with_layered_prefill_gives_the_chunked_tokens(corpus):
+    # StreamingLLM evicts the middle as the prompt ends; layer by layer it is never kept at all
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = corpus[11000:12100]
+    outputs = []
+    for layered in (False, True):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", policy="window", window_tokens=128,
+                  enable_prefix_caching=False, layered_prefill=layered)
+        out = llm.generate(prompt, params, on_step=lambda *_: llm.engine.check_integrity()).outputs[0]
+        outputs.append((out.token_ids, out.stats.dropped_tokens, llm.engine.kv.peak_used_blocks))
+    (chunked, dropped_a, peak_a), (layered, dropped_b, peak_b) = outputs
+    assert layered == chunked and dropped_a == dropped_b > 0
+    assert peak_b < peak_a / 3
+
+
 def test_layered_prefill_must_be_a_bool():
     with pytest.raises(ValueError, match="layered_prefill must be True or False"):
         LLM(layered_prefill="yes")
