@@ -7,7 +7,7 @@ from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
-from kvreplay.engine.sequence import Sequence
+from kvreplay.engine.sequence import LayeredPrefill, Sequence
 from kvreplay.kv.importance import OBSERVED_QUERIES
 from kvreplay.kv.manager import DROPPED
 from kvreplay.models.llama import LlamaModel
@@ -159,7 +159,7 @@ class ModelRunner:
         state.hidden = state.mass = None
         return logits
 
-    def _layers(self, seq: Sequence, state, layers: range) -> None:
+    def _layers(self, seq: Sequence, state: LayeredPrefill, layers: range) -> None:
         model, kv = self.model, self.kv
         block_size = kv.block_size
         start, end = state.start, state.end

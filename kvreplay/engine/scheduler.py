@@ -187,12 +187,9 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq.seq_id, seq.token_ids)
             layered = None if hits else self._layered_middle(seq)
-            if layered is not None:  # its hot blocks, index slots and working memory
-                projected = self.kv.num_blocks_layered(
-                    seq.seq_id, seq.num_uncomputed_tokens, layered, self.policy.keeps_key_index,
-                    self._layered_bytes(seq)) + \
-                    self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens + 1) - \
-                    self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens)
+            if layered is not None:  # its hot blocks (and the first decode's), index slots, work
+                projected = self.kv.num_blocks_layered(seq.seq_id, seq.num_uncomputed_tokens + 1, layered,
+                                                       self.policy.keeps_key_index, self._layered_bytes(seq))
             else:
                 projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
             if self.running:

@@ -525,8 +525,8 @@ class KVManager:
         """Room for `num_new_tokens` more tokens of `seq_id` computed layer by layer: new table
         entries in `middle` start DROPPED (with a key-index slot when `keep_index`, filled by
         `write_layer`), the others get pool blocks, and `work_bytes` of working memory are held
-        as reserved blocks until `end_layered`. The sequence must end on a block boundary and
-        have nothing dropped. Returns the new table indices, or None (no change) when the pool
+        as reserved blocks until `end_layered`. The sequence's room must end on a block
+        boundary and nothing of it may be dropped. Returns the new table indices, or None (no change) when the pool
         cannot hold them."""
         if seq_id not in self._tables:
             self.add_sequence(seq_id)
