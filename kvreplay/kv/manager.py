@@ -376,10 +376,11 @@ class KVManager:
         return [i for i in blocks if i < len(table) and table[i] != DROPPED
                 and self.pool.ref_counts[table[i]] == 1 and i * self.block_size < self._num_slots[seq_id]]
 
-    def _fingerprint(self, blocks: torch.Tensor) -> torch.Tensor:
+    def _fingerprint(self, blocks: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
         """[n, 2, Hkv, D] fp32 sums over each block's tokens of K and V in the last layer, the
-        one every replay error would reach."""
-        cache = self.kv_caches[-1]  # [2, Hkv, num_blocks, block_size, D]
+        one every replay error would reach (`cache`: that layer's K/V laid out like the pool's,
+        [2, Hkv, blocks, block_size, D]; default the pool's own)."""
+        cache = self.kv_caches[-1] if cache is None else cache
         return cache.index_select(2, blocks).float().sum(3).permute(2, 0, 1, 3)
 
     def demote(self, seq_id: int, block_indices: list[int]) -> int:
@@ -572,7 +573,7 @@ class KVManager:
         if slots[0] is not None:
             self.key_index.write_layer(layer, slots, scratch[0].index_select(1, source))
         if layer == len(self.kv_caches) - 1:
-            fingerprints = scratch.index_select(2, source).float().sum(3).permute(2, 0, 1, 3).cpu()
+            fingerprints = self._fingerprint(source, scratch).cpu()
             for index, fingerprint in zip(dropped, fingerprints):
                 records[index].fingerprint = fingerprint
 
