@@ -86,7 +86,8 @@ def test_key_index_keeps_only_the_detector_layers():
     assert kept.shape[0] == 1 and ((kept[0, :, 0] - layer2).abs() <= step / 2 + 1e-3).all()
     query = torch.randn(1, 1, 1, 4)
     args = (query, torch.tensor([[slot]]), torch.tensor([[True]]), torch.zeros(1, 1, 1), 1)
-    assert 0 <= kv.key_index.max_block_mass(2, *args).item() <= 1
+    mass, column = kv.key_index.max_block_mass(2, *args)
+    assert 0 <= mass.item() <= 1 and column.tolist() == [0]
     with pytest.raises(ValueError, match="not kept"):
         kv.key_index.max_block_mass(0, *args)
     kv.free(0)
@@ -112,12 +113,14 @@ def test_compiled_need_detector_matches_the_pytorch_one():
     kernel = index.kernel
     for layer in (1, 3):
         for top in (1, 8, 64):
-            got = index.max_block_mass(layer, query, table, valid, lse, top)
+            got, got_column = index.max_block_mass(layer, query, table, valid, lse, top)
             index.kernel = None
-            want = index.max_block_mass(layer, query, table, valid, lse, top)
+            want, want_column = index.max_block_mass(layer, query, table, valid, lse, top)
             index.kernel = kernel
             assert torch.allclose(got, want, atol=1e-5), (layer, top, got, want)
             assert got[2] == 0 and want.max() > 0.1  # a row without dropped blocks needs nothing
+            # the same block judged the neediest (rows with dropped blocks)
+            assert got_column[valid.any(1)].tolist() == want_column[valid.any(1)].tolist(), (layer, top)
     bad = table.clone()
     bad[0, 0] = index.capacity
     with pytest.raises(RuntimeError, match="outside the index"):
@@ -351,3 +354,43 @@ def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(cor
         out = llm.generate(corpus[offset:offset + 1024], SamplingParams(max_tokens=16, temperature=0,
                                                                         ignore_eos=True)).outputs[0]
         assert out.stats.dropped_tokens > 500 and out.stats.replays == 0 and out.stats.approx_tokens == 15
+
+
+def test_need_replay_brings_back_only_up_to_the_needed_block(corpus):
+    """The detector names the dropped block it judged needed; the replay recomputes the dropped
+    blocks in order up to it and leaves the later ones dropped (the redone step and the rest
+    attend without them). A fact at 30% of the prompt: about a third of the middle comes back."""
+    from kvreplay.bench.quality import QualitySpec, retrieval_cases
+    llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
+              window_tokens=128, need_layers="20-23", enable_prefix_caching=False)
+    case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3,), seed=0))[0]
+    engine = llm.engine
+    dropped_after_replay = []
+
+    def watch(*_):
+        engine.check_integrity()
+        for seq in engine.scheduler.running:
+            if seq.stats.replays and not seq.replaying:
+                dropped_after_replay.append(len(engine.kv.dropped_blocks(seq.seq_id)))
+
+    out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),
+                       on_step=watch).outputs[0]
+    assert case.answer in out.text
+    assert out.stats.replays == 1, out.stats
+    assert 0 < out.stats.replayed_tokens < 0.6 * out.stats.dropped_tokens, out.stats
+    assert dropped_after_replay and min(dropped_after_replay) > 0  # the later blocks stayed dropped
+    assert out.stats.approx_tokens >= 6, out.stats
+
+
+def test_need_replay_is_free_when_the_needed_block_is_still_cached(corpus):
+    """With the prefix cache on, a dropped block waits in its LRU list: the need-replay (now
+    bounded by the block the detector named) takes what it needs back from there and recomputes
+    nothing."""
+    from kvreplay.bench.quality import QualitySpec, retrieval_cases
+    llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
+              window_tokens=128, need_layers="20-23")
+    case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.7,), seed=0))[0]
+    out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),
+                       on_step=_check(llm)).outputs[0]
+    assert case.answer in out.text
+    assert out.stats.replays == 1 and out.stats.replayed_tokens == 0, out.stats

@@ -50,6 +50,7 @@ class NeedProbe:
     layers: frozenset[int] | None = None  # layers to read (None: all)
     layer: int = 0
     max_mass: torch.Tensor | None = None  # [R] largest block share seen in any layer and head
+    flagged: torch.Tensor | None = None   # [R] slot-table column of the block that took it
 
     def next_layer(self) -> int | None:
         """Move on to the next layer; its index when the detector reads it, else None."""
@@ -228,9 +229,14 @@ def _probe_dropped(probe: NeedProbe, layer: int, query: torch.Tensor, lse: torch
     """Estimate, for this layer, the largest attention share a dropped block would take.
     query: [R, Hkv, G, D] scaled queries of the probed rows; lse: [R, Hkv, G] log-sum-exp of their
     scores over the keys they attended to."""
-    mass = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
-                                          probe.top_blocks)
-    probe.max_mass = mass if probe.max_mass is None else torch.maximum(probe.max_mass, mass)
+    mass, column = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
+                                                  probe.top_blocks)
+    if probe.max_mass is None:
+        probe.max_mass, probe.flagged = mass, column
+    else:
+        larger = mass > probe.max_mass
+        probe.flagged = torch.where(larger, column, probe.flagged)
+        probe.max_mass = torch.where(larger, mass, probe.max_mass)
 
 
 def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -328,14 +328,19 @@ class LLMEngine:
                 logger.warning("request %s: %d replayed block(s) failed the fingerprint check; "
                                "recomputing the sequence", seq.request_id, mismatches)
                 self.scheduler.recompute(seq)
-            elif not self.kv.dropped_blocks(seq.seq_id):
-                seq.needs_replay = seq.replaying = False
+            elif not self.scheduler.replay_left(seq):
+                self.scheduler.end_replay(seq)
 
     def _need_fired(self) -> set[Sequence]:
         """Sequences whose dropped blocks the need detector judged needed at this step."""
         threshold = self.config.replay_threshold
-        fired = {seq for seq, mass in zip(self.runner.probed, self.runner.probed_mass)
-                 if mass > threshold or threshold == 0}
+        fired = set()
+        for seq, mass, flagged in zip(self.runner.probed, self.runner.probed_mass, self.runner.probed_flagged):
+            if mass > threshold or threshold == 0:
+                fired.add(seq)
+                # the replay brings back the dropped blocks up to the needed one, in order (or
+                # only it, when the prefix cache still holds it); threshold 0 asks for all
+                seq.replay_until = flagged if threshold > 0 else None
         self.counters.need_checks += len(self.runner.probed)
         self.counters.need_fires += len(fired)
         return fired

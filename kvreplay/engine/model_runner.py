@@ -34,6 +34,10 @@ class ModelRunner:
         # share of attention any of their dropped blocks would have taken.
         self.probed: list[Sequence] = []
         self.probed_mass: list[float] = []
+        # per probed sequence: its indexed dropped blocks' table indices (probe columns), and
+        # the one whose estimated share was the largest (what a need-replay must bring back)
+        self.probed_blocks: list[list[int]] = []
+        self.probed_flagged: list[int | None] = []
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         # bf16 prompt chunks over resident earlier positions go to the compiled causal kernel
@@ -56,7 +60,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0), prefill_kernel=self.prefill_kernel)
-        self.probed, self.probed_mass = [], []
+        self.probed, self.probed_mass, self.probed_blocks, self.probed_flagged = [], [], [], []
         self.last_hot_reads = 0
 
         if batch.decodes:
@@ -128,6 +132,8 @@ class ModelRunner:
                 torch.tensor(logit_rows, dtype=torch.long, device=self.device))
             if meta.probe is not None and meta.probe.max_mass is not None:
                 self.probed_mass = meta.probe.max_mass.tolist()
+                self.probed_flagged = [blocks[column] if column < len(blocks) else None for blocks, column
+                                       in zip(self.probed_blocks, meta.probe.flagged.tolist())]
             self._record_importance(batch.decodes, meta, observed)
         else:
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
@@ -256,11 +262,12 @@ class ModelRunner:
     def _probe(self, decodes: list[Sequence]) -> NeedProbe | None:
         rows, slot_lists = [], []
         for row, seq in enumerate(decodes):
-            slots = self.kv.index_slots(seq.seq_id)
-            if slots:
+            entries = self.kv.indexed_blocks(seq.seq_id)
+            if entries:
                 rows.append(row)
-                slot_lists.append(slots)
+                slot_lists.append([slot for _, slot in entries])
                 self.probed.append(seq)
+                self.probed_blocks.append([index for index, _ in entries])
         if not rows:
             return None
         slot_table, valid = self._padded(slot_lists)

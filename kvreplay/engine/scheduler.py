@@ -288,7 +288,7 @@ class Scheduler:
         block_size = self.kv.block_size
         if not self._restore_cached(seq):
             return 0
-        dropped = self.kv.dropped_blocks(seq.seq_id)
+        dropped = self.replay_left(seq)
         run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset]
         blocks = run[:budget // block_size]
         while blocks and not self.kv.allocate_restore(seq.seq_id, blocks):
@@ -308,13 +308,30 @@ class Scheduler:
         return len(blocks) * block_size
 
     def _restore_cached(self, seq: Sequence) -> bool:
-        """Take back dropped blocks still in the prefix cache. False when none is left dropped."""
+        """Take back dropped blocks still in the prefix cache. False when the replay has nothing
+        left to bring back."""
         if self.kv.restore_cached(seq.seq_id, seq.token_ids):
             self._start_replay(seq)
-        if self.kv.dropped_blocks(seq.seq_id):
+        if self.replay_left(seq):
             return True
-        seq.needs_replay = seq.replaying = False
+        self.end_replay(seq)
         return False
+
+    def replay_left(self, seq: Sequence) -> list[int]:
+        """Dropped blocks the replay under way must still bring back, oldest first: all of them,
+        or for a need-replay with a judged block, those up to it while it is still dropped
+        (restored from the prefix cache, it needs nothing before it: cached K/V are exact)."""
+        dropped = self.kv.dropped_blocks(seq.seq_id)
+        until = seq.replay_until if seq.needs_replay else None
+        if until is None:
+            return dropped
+        if until not in dropped:
+            return []
+        return [index for index in dropped if index <= until]
+
+    def end_replay(self, seq: Sequence) -> None:
+        seq.needs_replay = seq.replaying = False
+        seq.replay_until = None
 
     def _start_replay(self, seq: Sequence) -> None:
         if not seq.replaying:
@@ -489,7 +506,7 @@ class Scheduler:
         seq.replay_end = max(seq.replay_end, computed)
         seq.stats.pauses += 1
         seq.stats.dropped_tokens += computed - kept
-        seq.needs_replay = seq.replaying = False
+        self.end_replay(seq)
         seq.layered = None  # the KV manager released its working memory
         if kept == 0:
             seq.stats.preemptions += 1
@@ -504,7 +521,7 @@ class Scheduler:
         self.kv.pause(seq.seq_id, keep_pinned=False)
         seq.num_computed_tokens = 0
         seq.replay_end = max(seq.replay_end, computed)
-        seq.needs_replay = seq.replaying = False
+        self.end_replay(seq)
         seq.layered = None
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING

@@ -109,8 +109,10 @@ class KeyIndex:
                                              self.hi.index_select(2, index).unsqueeze(3)), dtype)
 
     def max_block_mass(self, layer: int, query: torch.Tensor, slot_table: torch.Tensor,
-                       valid: torch.Tensor, resident_lse: torch.Tensor, top_blocks: int) -> torch.Tensor:
-        """Largest estimated attention share any dropped block takes in any head, per sequence.
+                       valid: torch.Tensor, resident_lse: torch.Tensor, top_blocks: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Largest estimated attention share any dropped block takes in any head, per sequence,
+        and which block takes it.
 
         Args:
             layer: the layer whose keys to read.
@@ -120,7 +122,8 @@ class KeyIndex:
             resident_lse: [R, Hkv, G] log-sum-exp of the query's logits over resident keys.
             top_blocks: blocks per KV head dequantized and scored, chosen by the Quest bound.
         Returns:
-            [R] float32 in [0, 1].
+            [R] float32 in [0, 1], and [R] int64: the column of `slot_table` holding the block
+            with that share.
         """
         if layer not in self._row:
             raise ValueError(f"layer {layer} is not kept by this key index (layers {self.layers})")
@@ -149,9 +152,11 @@ class KeyIndex:
         block_lse = scores.view(*scores.shape[:3], k, self.block_size).logsumexp(-1)  # [R, Hkv, G, k]
         block_lse.masked_fill_(~top_valid[:, :, None, :], float("-inf"))
         total = torch.logaddexp(resident_lse.float(), block_lse.logsumexp(-1))  # [R, Hkv, G]
-        mass = (block_lse - total[..., None]).exp()
+        mass = (block_lse - total[..., None]).exp()                          # [R, Hkv, G, k]
+        share, where = mass.amax(2).flatten(1).max(1)  # over heads and blocks: [R], flat (Hkv, k)
+        column = top.view(rows, -1).gather(1, where[:, None]).squeeze(1)
         if self.trace is not None:  # research hook (bench/need_probe.py): per-head statistics
             within = (block_lse - block_lse.logsumexp(-1, keepdim=True)).exp().amax(-1)  # [R, Hkv, G]
             dropped = 1 - (resident_lse.float() - total).exp()                            # [R, Hkv, G]
             self.trace.append((layer, within.cpu(), dropped.cpu(), mass.amax(-1).cpu()))
-        return mass.flatten(1).amax(1)
+        return share, column

@@ -351,7 +351,12 @@ class KVManager:
 
     def index_slots(self, seq_id: int) -> list[int]:
         """Key-index slots of `seq_id`'s dropped blocks (the need detector reads them)."""
-        return [r.slot for r in self._dropped.get(seq_id, {}).values() if r.slot is not None]
+        return [slot for _, slot in self.indexed_blocks(seq_id)]
+
+    def indexed_blocks(self, seq_id: int) -> list[tuple[int, int]]:
+        """(table index, key-index slot) of each of `seq_id`'s dropped blocks that has a slot, in
+        `index_slots` order."""
+        return [(index, r.slot) for index, r in self._dropped.get(seq_id, {}).items() if r.slot is not None]
 
     def resident_bytes(self, seq_id: int) -> int:
         """Bytes `seq_id` holds: its hot blocks (shared ones counted whole) and index slots."""

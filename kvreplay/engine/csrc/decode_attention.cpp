@@ -573,7 +573,8 @@ at::Tensor prefill_causal(const at::Tensor& q, const at::Tensor& k, const at::Te
 //
 //   query [R, Hkv, G, D] fp32 scaled; codes [Hkv, S, bs, D/2] uint8 (low nibble = even channel);
 //   lo, hi [Hkv, S, D] fp16; slot_table [R, N] int64; valid [R, N] bool; resident_lse [R, Hkv, G]
-//   fp32. Returns [R] fp32.
+//   fp32. Returns ([R] fp32 the largest share, [R] int64 the slot-table column of the block
+//   that takes it: what a replay must bring back).
 namespace {
 
 inline void widen_half(const at::Half* src, float* dst, int64_t n) {
@@ -585,9 +586,9 @@ inline void widen_half(const at::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, const at::Tensor& lo,
-                           const at::Tensor& hi, const at::Tensor& slot_table, const at::Tensor& valid,
-                           const at::Tensor& resident_lse, int64_t top_blocks) {
+std::tuple<at::Tensor, at::Tensor> need_block_mass(
+    const at::Tensor& query, const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& hi,
+    const at::Tensor& slot_table, const at::Tensor& valid, const at::Tensor& resident_lse, int64_t top_blocks) {
   TORCH_CHECK(query.dim() == 4 && query.scalar_type() == at::kFloat, "need_block_mass: fp32 query [R, Hkv, G, D]");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte, "need_block_mass: uint8 codes [Hkv, S, bs, D/2]");
   const int64_t R = query.size(0), Hkv = query.size(1), G = query.size(2), D = query.size(3);
@@ -612,12 +613,14 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
   for (int64_t i = 0; i < R * N; ++i)
     TORCH_CHECK(!ok[i] || (slots[i] >= 0 && slots[i] < S), "need_block_mass: slot ", slots[i], " outside the index");
   auto per_head = at::zeros({R, Hkv}, query.options());
+  auto per_head_column = at::zeros({R, Hkv}, query.options().dtype(at::kLong));  // where that share is
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = cd.data_ptr<uint8_t>();
   const at::Half* lp = l.data_ptr<at::Half>();
   const at::Half* hp = h.data_ptr<at::Half>();
   const float* rp = rl.data_ptr<float>();
   float* out = per_head.data_ptr<float>();
+  int64_t* out_column = per_head_column.data_ptr<int64_t>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float inv15 = 1.f / 15.f;
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -751,6 +754,7 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
         }
       }
       float best = 0.f;  // exp(block lse - lse over resident keys and the top blocks)
+      int64_t best_column = order.empty() ? 0 : order[0];
       for (int64_t g = 0; g < G; ++g) {
         const float resident = rp[task * G + g];
         float m = resident;
@@ -759,12 +763,20 @@ at::Tensor need_block_mass(const at::Tensor& query, const at::Tensor& codes, con
         float sum = std::exp(resident - m);
         for (int64_t j = 0; j < k; ++j) sum += std::exp(block_lse[j * G + g] - m);
         const float total = m + std::log(sum);
-        for (int64_t j = 0; j < k; ++j) best = std::max(best, std::exp(block_lse[j * G + g] - total));
+        for (int64_t j = 0; j < k; ++j) {
+          const float share = std::exp(block_lse[j * G + g] - total);
+          if (share > best) {
+            best = share;
+            best_column = order[j];
+          }
+        }
       }
       out[task] = best;
+      out_column[task] = best_column;
     }
   });
-  return std::get<0>(per_head.max(1));
+  auto [mass, head] = per_head.max(1);
+  return {mass, per_head_column.gather(1, head.unsqueeze(1)).squeeze(1)};
 }
 
 }  // namespace
@@ -775,7 +787,7 @@ TORCH_LIBRARY(kvreplay_cpu, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
   m.def("need_block_mass(Tensor query, Tensor codes, Tensor lo, Tensor hi, Tensor slot_table, "
-        "Tensor valid, Tensor resident_lse, int top_blocks) -> Tensor");
+        "Tensor valid, Tensor resident_lse, int top_blocks) -> (Tensor, Tensor)");
   m.impl("need_block_mass", c10::DispatchKey::CPU, &need_block_mass);
   m.def("prefill_causal(Tensor q, Tensor k, Tensor v, float scale, int offset=0) -> Tensor");
   m.impl("prefill_causal", c10::DispatchKey::CPU, &prefill_causal);
