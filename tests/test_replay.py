@@ -383,14 +383,23 @@ def test_need_replay_brings_back_only_up_to_the_needed_block(corpus):
 
 
 def test_need_replay_is_free_when_the_needed_block_is_still_cached(corpus):
-    """With the prefix cache on, a dropped block waits in its LRU list: the need-replay (now
-    bounded by the block the detector named) takes what it needs back from there and recomputes
-    nothing."""
+    """With the prefix cache on, a dropped block waits in its LRU list: the need-replay takes
+    the block the detector named back from there, alone (cached K/V are exact whatever is dropped
+    before it), and recomputes nothing."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
               window_tokens=128, need_layers="20-23")
     case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.7,), seed=0))[0]
+    engine = llm.engine
+    dropped = []
+
+    def watch(*_):
+        engine.check_integrity()
+        dropped.extend(len(engine.kv.dropped_blocks(seq.seq_id)) for seq in engine.scheduler.running)
+
     out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),
-                       on_step=_check(llm)).outputs[0]
+                       on_step=watch).outputs[0]
     assert case.answer in out.text
     assert out.stats.replays == 1 and out.stats.replayed_tokens == 0, out.stats
+    trimmed = [count for count in dropped if count]  # steps after the middle was dropped
+    assert max(trimmed) > 30 and min(trimmed) == max(trimmed) - 1, dropped  # one block back only

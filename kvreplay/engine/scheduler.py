@@ -308,9 +308,16 @@ class Scheduler:
         return len(blocks) * block_size
 
     def _restore_cached(self, seq: Sequence) -> bool:
-        """Take back dropped blocks still in the prefix cache. False when the replay has nothing
-        left to bring back."""
-        if self.kv.restore_cached(seq.seq_id, seq.token_ids):
+        """Take back dropped blocks still in the prefix cache: for a need-replay, the judged
+        block alone when the cache holds it, else those before it; otherwise all. False when
+        the replay has nothing left to bring back."""
+        until = seq.replay_until if seq.needs_replay else None
+        if until is None:
+            restored = self.kv.restore_cached(seq.seq_id, seq.token_ids)
+        else:
+            restored = self.kv.restore_cached(seq.seq_id, seq.token_ids, [until]) \
+                or self.kv.restore_cached(seq.seq_id, seq.token_ids, self.replay_left(seq))
+        if restored:
             self._start_replay(seq)
         if self.replay_left(seq):
             return True

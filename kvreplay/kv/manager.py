@@ -458,12 +458,16 @@ class KVManager:
         self._rebalance_reserve()
         self._note_peak()
 
-    def restore_cached(self, seq_id: int, token_ids: list[int]) -> list[int]:
-        """Put back dropped blocks whose K/V still sit in the prefix cache (not yet evicted):
-        a replay that costs nothing. Returns the table indices restored."""
+    def restore_cached(self, seq_id: int, token_ids: list[int], indices: list[int] | None = None) -> list[int]:
+        """Put back dropped blocks (all, or those among `indices`) whose K/V still sit in the
+        prefix cache (not yet evicted): a replay that costs nothing. Returns the table indices
+        restored."""
         table, hashes = self._tables[seq_id], self._hashes[seq_id]
         restored = []
-        for index in self.dropped_blocks(seq_id):
+        dropped = self.dropped_blocks(seq_id)
+        if indices is not None:
+            dropped = sorted(set(dropped).intersection(indices))
+        for index in dropped:
             if index >= len(hashes):
                 continue
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
