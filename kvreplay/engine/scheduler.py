@@ -311,11 +311,10 @@ class Scheduler:
         """Take back dropped blocks still in the prefix cache: for a need-replay, the judged
         block alone when the cache holds it, else those before it; otherwise all. False when
         the replay has nothing left to bring back."""
-        until = seq.replay_until if seq.needs_replay else None
-        if until is None:
+        if seq.replay_until is None:
             restored = self.kv.restore_cached(seq.seq_id, seq.token_ids)
         else:
-            restored = self.kv.restore_cached(seq.seq_id, seq.token_ids, [until]) \
+            restored = self.kv.restore_cached(seq.seq_id, seq.token_ids, [seq.replay_until]) \
                 or self.kv.restore_cached(seq.seq_id, seq.token_ids, self.replay_left(seq))
         if restored:
             self._start_replay(seq)
@@ -329,7 +328,7 @@ class Scheduler:
         or for a need-replay with a judged block, those up to it while it is still dropped
         (restored from the prefix cache, it needs nothing before it: cached K/V are exact)."""
         dropped = self.kv.dropped_blocks(seq.seq_id)
-        until = seq.replay_until if seq.needs_replay else None
+        until = seq.replay_until  # set only while a need-replay is asked for (end_replay clears it)
         if until is None:
             return dropped
         if until not in dropped:

@@ -75,7 +75,8 @@ class Sequence:
         self.pinned_tokens = 0  # head kept through a pause: protected span and sinks
         self.replay_end = 0     # tokens computed before the last pause; below it, prefill is replay
         self.needs_replay = False   # the need detector fired: replay dropped ranges, redo the step
-        # ... up to and including this dropped block (the one it judged needed; None: all of them)
+        # ... up to and including this dropped block (the one it judged needed; None: all of them);
+        # cleared with needs_replay (Scheduler.end_replay)
         self.replay_until: int | None = None
         self.replaying = False      # a replay of dropped ranges is under way (counted once)
         self.last_replay_step = -1  # scheduler step of the last replay: trimmed last under pressure
