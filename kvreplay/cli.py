@@ -54,8 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="replay: drop the middle under memory pressure only, or right after "
                             "each prompt's prefill (default: %(default)s)")
     group.add_argument("--replay-threshold", type=float, default=0.65,
-                       help="replay: recompute dropped ranges when one dropped block would take "
-                            "more than this share of a head's attention (default: %(default)s)")
+                       help="replay: bring back a dropped block (from the prefix cache, else by "
+                            "recomputing the dropped ranges up to it) when it would take more than "
+                            "this share of a head's attention; 0 replays everything (default: %(default)s)")
     group.add_argument("--need-top-blocks", type=int, default=8,
                        help="replay: dropped blocks per KV head the need detector scores "
                             "(default: %(default)s)")

@@ -95,8 +95,10 @@ class EngineConfig:
         trim: when `replay` drops middle blocks: "pressure" (only when usage crosses the high
             watermark, oldest middle blocks first) or "prefill" (right after each prompt's
             prefill: long pasted documents).
-        replay_threshold: the need detector replays a sequence's dropped ranges when one dropped
-            block would take more than this share of some head's attention (0 = always replay).
+        replay_threshold: when one dropped block would take more than this share of some head's
+            attention, the need detector brings that block back exactly: from the prefix cache
+            if it is still there, else by replaying the dropped ranges in order up to it; then
+            the step is redone (0 = always replay, every dropped range).
         need_top_blocks: dropped blocks per KV head the detector scores from the key index
             (the Quest bound picks them).
         approx_prefill: a prefill chunk of a sequence with dropped ranges attends to what is
