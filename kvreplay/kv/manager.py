@@ -355,7 +355,7 @@ class KVManager:
 
     def indexed_blocks(self, seq_id: int) -> list[tuple[int, int]]:
         """(table index, key-index slot) of each of `seq_id`'s dropped blocks that has a slot, in
-        `index_slots` order."""
+        the order they were dropped (the need probe's columns)."""
         return [(index, r.slot) for index, r in self._dropped.get(seq_id, {}).items() if r.slot is not None]
 
     def resident_bytes(self, seq_id: int) -> int:
