@@ -34,9 +34,10 @@ class ModelRunner:
         # share of attention any of their dropped blocks would have taken.
         self.probed: list[Sequence] = []
         self.probed_mass: list[float] = []
-        # per probed sequence: its indexed dropped blocks' table indices (probe columns), and
-        # the one whose estimated share was the largest (what a need-replay must bring back)
-        self.probed_blocks: list[list[int]] = []
+        # per probed sequence: its indexed dropped blocks, (table index, slot) in probe column
+        # order, and the table index of the one whose estimated share was the largest (what a
+        # need-replay must bring back)
+        self.probed_blocks: list[list[tuple[int, int]]] = []
         self.probed_flagged: list[int | None] = []
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
@@ -132,7 +133,7 @@ class ModelRunner:
                 torch.tensor(logit_rows, dtype=torch.long, device=self.device))
             if meta.probe is not None and meta.probe.max_mass is not None:
                 self.probed_mass = meta.probe.max_mass.tolist()
-                self.probed_flagged = [blocks[column] if column < len(blocks) else None for blocks, column
+                self.probed_flagged = [blocks[column][0] if column < len(blocks) else None for blocks, column
                                        in zip(self.probed_blocks, meta.probe.flagged.tolist())]
             self._record_importance(batch.decodes, meta, observed)
         else:
@@ -267,7 +268,7 @@ class ModelRunner:
                 rows.append(row)
                 slot_lists.append([slot for _, slot in entries])
                 self.probed.append(seq)
-                self.probed_blocks.append([index for index, _ in entries])
+                self.probed_blocks.append(entries)
         if not rows:
             return None
         slot_table, valid = self._padded(slot_lists)
