@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import Projection, can_pack
+from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, Projection, can_pack, has_amx_bf16,
+                                    machine_panel_rows)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -43,8 +44,10 @@ def test_packed_rejects_other_inputs_clearly():
         proj(torch.randn(3, 4))  # fp32 input
 
 
-def _panel_projection(weight, bias=None):
-    proj = Projection(weight, bias)
+def _panel_projection(weight, bias=None, panel_rows=PANEL_ROWS):
+    """A projection whose first `panel_rows` rows go to the panel kernel, whatever this CPU's
+    default (on an AMX CPU oneDNN takes all but the smallest row counts)."""
+    proj = Projection(weight, bias, panel_rows=panel_rows)
     if proj.panel_linear is None:
         if can_pack(weight):  # a failed build where a toolchain exists fails here
             built_or_skip(cpu_kernels.layer_ops(), "layer ops")
@@ -124,3 +127,29 @@ def test_float_output_is_the_bf16_result_widened(rows):
     assert torch.equal(plain.float_output(x.float()), F.linear(x.float(), weight.float()))
     with pytest.raises(RuntimeError, match="panel_linear_float: x must be"):
         proj.panel_linear_float(torch.randn(1, 64), proj.panels, None)
+
+
+def test_rows_go_to_the_panel_kernel_up_to_the_machines_crossover(monkeypatch):
+    """Up to `panel_rows` rows the panel kernel, above them oneDNN (F.linear's bits); the default
+    comes from the CPU, KVREPLAY_PANEL_ROWS overrides it, and a bad value is a clear error."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 96, generator=gen).bfloat16()
+    x = torch.randn(6, 96, generator=gen).bfloat16()
+    proj = _panel_projection(weight, panel_rows=3)
+    assert proj.panel_rows == 3
+    assert torch.equal(proj(x[:3]), proj.panel_linear(x[:3], proj.panels, None))
+    assert torch.equal(proj(x), F.linear(x, weight))
+    assert torch.equal(proj.float_output(x), F.linear(x, weight).float())
+    monkeypatch.setenv("KVREPLAY_PANEL_ROWS", "0")
+    assert machine_panel_rows() == 0
+    none = Projection(weight)
+    assert none.panel_linear is None and none.panels is None  # no second copy of the weight
+    assert torch.equal(none(x[:1]), F.linear(x[:1], weight))
+    monkeypatch.setenv("KVREPLAY_PANEL_ROWS", "7")
+    assert machine_panel_rows() == 7 and Projection(weight).panel_rows == 7
+    for bad in ("-1", "129", "many"):
+        monkeypatch.setenv("KVREPLAY_PANEL_ROWS", bad)
+        with pytest.raises(ValueError, match="KVREPLAY_PANEL_ROWS must be"):
+            machine_panel_rows()
+    monkeypatch.delenv("KVREPLAY_PANEL_ROWS")
+    assert machine_panel_rows() == (PANEL_ROWS_AMX if has_amx_bf16() else PANEL_ROWS)

@@ -2,18 +2,23 @@
 
 On CPU in bf16 two layouts of each weight are kept:
 - oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
-  every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used from
-  `PANEL_ROWS + 1` rows up (prefill chunks, mixed steps).
+  every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
+  `machine_panel_rows()` rows (prefill chunks, mixed steps; on an AMX CPU most decode steps).
 - a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
-  1-`PANEL_ROWS` rows, i.e. decode steps: at one row it streams the weights in order (the whole
-  decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each
+  1-`machine_panel_rows()` rows, i.e. decode steps: at one row it streams the weights in order
+  (the whole decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each
   weight load feeds up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and
-  ~28; docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
-  bf16 rounding step, and a row's result does not depend on the other rows.
-  The price is a second copy of the weights in memory (+270 MB for the default model).
+  ~28 on an AVX512-BF16 CPU without AMX; docs/benchmarks.md). fp32 sums like oneDNN's, in
+  another order: results agree within one bf16 rounding step, and a row's result does not depend
+  on the other rows. The price is a second copy of the weights in memory (+270 MB for the
+  default model).
+  On a CPU with AMX tiles oneDNN multiplies bf16 on them, ~4x the vector units' rate: there the
+  panel kernel keeps only the smallest row counts (`machine_panel_rows()`).
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +27,38 @@ from kvreplay.engine import cpu_kernels
 
 # oneDNN chooses its blocked layout for a typical row count; any row count works with it.
 PACK_BATCH_HINT = 32
-# Up to this many rows go to the panel kernel (above it oneDNN's blocking wins).
+# Up to this many rows go to the panel kernel (above it oneDNN's blocking wins), on a CPU whose
+# bf16 products run on the vector units...
 PANEL_ROWS = 128
+# ...and on one where oneDNN has AMX tiles (measured: docs/benchmarks.md, "A CPU with AMX").
+PANEL_ROWS_AMX = 2
+
+
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags; False where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def machine_panel_rows() -> int:
+    """Most rows a bf16 projection hands to the panel kernel on this machine;
+    KVREPLAY_PANEL_ROWS (0-128) overrides it."""
+    value = os.environ.get("KVREPLAY_PANEL_ROWS", "").strip()
+    if value:
+        try:
+            rows = int(value)
+        except ValueError:
+            rows = -1
+        if not 0 <= rows <= PANEL_ROWS:
+            raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
+        return rows
+    return PANEL_ROWS_AMX if has_amx_bf16() else PANEL_ROWS
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -45,10 +80,16 @@ class Projection:
     """One linear layer's weight (and bias), packed for oneDNN and the panel kernel where that
     pays."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 panel_rows: int | None = None):
+        """`panel_rows`: most rows for the panel kernel (default: `machine_panel_rows()`)."""
         self.bias = bias
         self.packed = pack and can_pack(weight)
         ops = _panel_ops(weight) if self.packed else None
+        self.panel_rows = 0 if ops is None else machine_panel_rows() if panel_rows is None \
+            else min(panel_rows, PANEL_ROWS)
+        if self.panel_rows == 0:
+            ops = None  # no row count goes to it: skip the panel copy of the weight
         self.panel_linear = None if ops is None else ops.panel_linear
         self.panel_linear_float = None if ops is None else ops.panel_linear_float
         self.panels = None if ops is None else ops.pack_panels(weight)
@@ -57,7 +98,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.panel_linear is not None and x.shape[0] <= PANEL_ROWS:
+            if self.panel_linear is not None and x.shape[0] <= self.panel_rows:
                 return self.panel_linear(x, self.panels, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
@@ -68,6 +109,6 @@ class Projection:
         """`self(x).float()` (the LM head's logits); the panel kernel widens as it stores
         instead of a second pass (~0.4 ms of a batch-32 decode step here)."""
         if self.panel_linear_float is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
-                and x.shape[0] <= PANEL_ROWS:
+                and x.shape[0] <= self.panel_rows:
             return self.panel_linear_float(x, self.panels, self.bias)
         return self(x).float()
