@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, Projection, can_pack, has_amx_bf16,
-                                    machine_panel_rows)
+from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, Projection,
+                                    can_pack, has_amx_bf16, machine_panel_rows)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -152,4 +152,30 @@ def test_rows_go_to_the_panel_kernel_up_to_the_machines_crossover(monkeypatch):
         with pytest.raises(ValueError, match="KVREPLAY_PANEL_ROWS must be"):
             machine_panel_rows()
     monkeypatch.delenv("KVREPLAY_PANEL_ROWS")
-    assert machine_panel_rows() == (PANEL_ROWS_AMX if has_amx_bf16() else PANEL_ROWS)
+    amx_panels = cpu_kernels.layer_ops().has_amx_panels()
+    expected = PANEL_ROWS if not has_amx_bf16() else PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
+    assert machine_panel_rows() == expected
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 31, 32, 33, 64, 100, 128])
+def test_amx_tiles_within_one_rounding_and_rows_independent(rows):
+    """On a CPU with AMX tiles every row count runs on them (K a multiple of 32): each output
+    within one bf16 step of the exact product, each row what it is computed alone, bias and
+    widening included."""
+    ops = cpu_kernels.layer_ops()
+    gen = torch.Generator().manual_seed(100 + rows)
+    # 112 outputs: two panels of three tiles and a last one of one; K = 576 and 1536 as in the model
+    for k in (576, 1536):
+        weight = (torch.randn(112, k, generator=gen) * 0.05).bfloat16()
+        bias = torch.randn(112, generator=gen).bfloat16()
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        proj = _panel_projection(weight, bias)
+        if not ops.has_amx_panels():
+            pytest.skip("no AMX tiles here")
+        got = proj.panel_linear(x, proj.panels, bias)
+        exact = F.linear(x.float(), weight.float(), bias.float())
+        assert ((got.float() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2 ** -7).all()
+        for row in {0, rows // 2, rows - 1}:
+            assert torch.equal(proj.panel_linear(x[row:row + 1], proj.panels, bias), got[row:row + 1])
+        widened = proj.panel_linear_float(x, proj.panels, bias)
+        assert widened.dtype == torch.float32 and torch.equal(widened, got.float())

@@ -3,17 +3,17 @@
 On CPU in bf16 two layouts of each weight are kept:
 - oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
   every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
-  `machine_panel_rows()` rows (prefill chunks, mixed steps; on an AMX CPU most decode steps).
+  `machine_panel_rows()` rows (prefill chunks, mixed steps).
 - a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
-  1-`machine_panel_rows()` rows, i.e. decode steps: at one row it streams the weights in order
-  (the whole decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each
-  weight load feeds up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and
-  ~28 on an AVX512-BF16 CPU without AMX; docs/benchmarks.md). fp32 sums like oneDNN's, in
-  another order: results agree within one bf16 rounding step, and a row's result does not depend
-  on the other rows. The price is a second copy of the weights in memory (+270 MB for the
-  default model).
-  On a CPU with AMX tiles oneDNN multiplies bf16 on them, ~4x the vector units' rate: there the
-  panel kernel keeps only the smallest row counts (`machine_panel_rows()`).
+  1-`machine_panel_rows()` rows, i.e. decode steps. On an AVX512-BF16 CPU without AMX it runs
+  on the vector units: at one row it streams the weights in order (the whole decode step's
+  matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each weight load feeds
+  up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and ~28). On a CPU
+  with AMX tiles it runs on them: ~10.5 ms at 2-16 rows (the weights' stream from memory),
+  ~14.5 at 32, against oneDNN's ~14.5 and ~17.5; oneDNN wins from ~64 rows
+  (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
+  bf16 rounding step, and a row's result does not depend on the other rows. The price is a
+  second copy of the weights in memory (+270 MB for the default model).
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations
@@ -30,8 +30,10 @@ PACK_BATCH_HINT = 32
 # Up to this many rows go to the panel kernel (above it oneDNN's blocking wins), on a CPU whose
 # bf16 products run on the vector units...
 PANEL_ROWS = 128
-# ...and on one where oneDNN has AMX tiles (measured: docs/benchmarks.md, "A CPU with AMX").
-PANEL_ROWS_AMX = 2
+# ...on one with AMX tiles, where the panel kernel runs on them too (layer_ops has_amx_panels)...
+PANEL_ROWS_AMX = 64
+# ...and where oneDNN has the tiles but the panel kernel does not (an older compiler).
+PANEL_ROWS_AMX_ONEDNN_ONLY = 2
 
 
 def has_amx_bf16() -> bool:
@@ -58,7 +60,11 @@ def machine_panel_rows() -> int:
         if not 0 <= rows <= PANEL_ROWS:
             raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
         return rows
-    return PANEL_ROWS_AMX if has_amx_bf16() else PANEL_ROWS
+    if not has_amx_bf16():
+        return PANEL_ROWS
+    ops = cpu_kernels.layer_ops()
+    amx_panels = ops is not None and ops.has_panel_linear() and ops.has_amx_panels()
+    return PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
 
 
 def can_pack(weight: torch.Tensor) -> bool:

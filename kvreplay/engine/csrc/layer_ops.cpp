@@ -18,9 +18,11 @@
 //       they stream from memory; at 8-32 rows it is how many products a core does per cycle.
 //       pack_panels lays W out once so that the kernel reads it strictly in order and every
 //       weight load feeds up to 8 rows (layout at the kernel below). Products are exact, sums
-//       fp32 (AVX512-BF16 pair dot products), one rounding to bf16 at the end. On this machine
+//       fp32 (AVX512-BF16 pair dot products), one rounding to bf16 at the end. On a Zen 4 core
 //       all matmuls of a decode step take 6-8 ms at batch 1 (oneDNN: ~13 ms), ~10 ms at batch 12
-//       (oneDNN: ~15 ms) and ~23 ms at batch 32 (oneDNN: ~28 ms).
+//       (oneDNN: ~15 ms) and ~23 ms at batch 32 (oneDNN: ~28 ms). On a CPU with AMX tiles
+//       (K a multiple of 32) the same panels go through the tiles instead: ~10.5 ms from 2 to
+//       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms).
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
@@ -42,6 +44,10 @@
 #include <type_traits>
 #include <vector>
 #include "simd.h"
+#if defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -349,6 +355,98 @@ void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define KVREPLAY_AMX 1
+// ---- the same products on AMX tiles (Sapphire Rapids and later) ----
+// A panel's layout is the tile multiply's: for 16 consecutive pairs j, one tile's 16 outputs
+// (64 bytes) sit every kPanelTiles * 64 bytes, so a B tile loads straight from the panel with
+// that stride. x's rows go in blocks of r <= 16 rows (all blocks alike: x is copied into a
+// zero-padded buffer), two blocks at a time: C tiles 0-2 and 3-5 hold a block's sums for the
+// panel's three 16-output tiles, tile 6 the block's 32 columns of x, tile 7 the weights.
+// Every row count runs here on such a CPU: at one row as fast as the vector kernel (the weights'
+// stream is the cost), from 3 to 16 rows in the time of that stream (~4x the vector kernel's
+// rate; bench/machine_limits.py). Sums are fp32 over k ascending as above, but TDPBF16PS adds a
+// pair's two products in the other order than VDPBF16PS: a few outputs in 10,000 differ from
+// the vector kernel's in the last bf16 bit. A row's result still does not depend on the other
+// rows or their number (tests/test_linear.py).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); false when the kernel refuses (then the vector kernel runs).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+template <int T, bool Two, typename OutT>
+void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t rows_b, const uint16_t* w,
+               const uint16_t* bias, OutT* out_a, OutT* out_b, int64_t N, int64_t K) {
+  _tile_zero(0);
+  if (T > 1) _tile_zero(1);
+  if (T > 2) _tile_zero(2);
+  if (Two) {
+    _tile_zero(3);
+    if (T > 1) _tile_zero(4);
+    if (T > 2) _tile_zero(5);
+  }
+  const int64_t x_stride = K * 2, w_stride = T * 64;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const uint16_t* wk = w + (k0 / 2) * T * 2 * kLanes;
+    _tile_loadd(6, xa + k0, x_stride);
+    _tile_loadd(7, wk, w_stride);
+    _tile_dpbf16ps(0, 6, 7);
+    if (T > 1) { _tile_loadd(7, wk + 2 * kLanes, w_stride); _tile_dpbf16ps(1, 6, 7); }
+    if (T > 2) { _tile_loadd(7, wk + 4 * kLanes, w_stride); _tile_dpbf16ps(2, 6, 7); }
+    if (Two) {
+      _tile_loadd(6, xb + k0, x_stride);
+      _tile_loadd(7, wk, w_stride);
+      _tile_dpbf16ps(3, 6, 7);
+      if (T > 1) { _tile_loadd(7, wk + 2 * kLanes, w_stride); _tile_dpbf16ps(4, 6, 7); }
+      if (T > 2) { _tile_loadd(7, wk + 4 * kLanes, w_stride); _tile_dpbf16ps(5, 6, 7); }
+    }
+  }
+  alignas(64) float sums[Two ? 2 : 1][T][16 * kLanes];
+  _tile_stored(0, sums[0][0], 64);
+  if (T > 1) _tile_stored(1, sums[0][T > 1 ? 1 : 0], 64);
+  if (T > 2) _tile_stored(2, sums[0][T > 2 ? 2 : 0], 64);
+  if (Two) {
+    _tile_stored(3, sums[Two ? 1 : 0][0], 64);
+    if (T > 1) _tile_stored(4, sums[Two ? 1 : 0][T > 1 ? 1 : 0], 64);
+    if (T > 2) _tile_stored(5, sums[Two ? 1 : 0][T > 2 ? 2 : 0], 64);
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m512 b = bias ? kvreplay_simd::load16(reinterpret_cast<const c10::BFloat16*>(bias) + t * kLanes)
+                          : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows_a; ++m)
+      store_rounded(out_a + m * N + t * kLanes, _mm512_add_ps(_mm512_load_ps(sums[0][t] + m * kLanes), b));
+    if (Two)
+      for (int64_t m = 0; m < rows_b; ++m)
+        store_rounded(out_b + m * N + t * kLanes,
+                      _mm512_add_ps(_mm512_load_ps(sums[Two ? 1 : 0][t] + m * kLanes), b));
+  }
+}
+
+template <int T, typename OutT>
+void amx_rows(const uint16_t* xpad, int64_t r, int64_t M, const uint16_t* w, const uint16_t* bias, OutT* out,
+              int64_t N, int64_t K) {
+  const int64_t blocks = (M + r - 1) / r;
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const int64_t m0 = b * r, rows_a = std::min(r, M - m0);
+    if (b + 1 < blocks) {
+      const int64_t rows_b = std::min(r, M - m0 - r);
+      amx_panel<T, true>(xpad + m0 * K, xpad + (m0 + r) * K, rows_a, rows_b, w, bias, out + m0 * N,
+                         out + (m0 + r) * N, N, K);
+    } else {
+      amx_panel<T, false>(xpad + m0 * K, xpad, rows_a, int64_t{0}, w, bias, out + m0 * N, out, N, K);
+    }
+  }
+}
+#endif
+
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          bool widen, const char* name) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2 &&
@@ -371,6 +469,41 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
   const int64_t tiles = N / kLanes;
+#if defined(KVREPLAY_AMX)
+  if (K % 32 == 0 && amx_permitted()) {
+    // blocks of r <= 16 rows, all of r rows: x copied into a buffer padded with zero rows
+    const int64_t blocks = (M + 15) / 16, r = (M + blocks - 1) / blocks;
+    std::vector<uint16_t> pad(static_cast<size_t>(blocks * r * K), 0);
+    std::memcpy(pad.data(), xp, static_cast<size_t>(M * K) * sizeof(uint16_t));
+    const uint16_t* xpad = pad.data();
+    auto run_amx = [&](auto* op) {
+      at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+        TileConfig config;
+        for (int t = 0; t < 8; ++t) {
+          config.rows[t] = static_cast<uint8_t>(t == 7 ? 16 : r);  // tile 7: 16 pairs of weights
+          config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t n0 = p * kPanelTiles * kLanes;
+          const uint16_t* w = wp + n0 * K;
+          const uint16_t* b = bp ? bp + n0 : nullptr;
+          switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
+            case 1: amx_rows<1>(xpad, r, M, w, b, op + n0, N, K); break;
+            case 2: amx_rows<2>(xpad, r, M, w, b, op + n0, N, K); break;
+            default: amx_rows<kPanelTiles>(xpad, r, M, w, b, op + n0, N, K); break;
+          }
+        }
+        _tile_release();
+      });
+    };
+    if (widen)
+      run_amx(out.data_ptr<float>());
+    else
+      run_amx(reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+#endif
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
@@ -474,6 +607,15 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Whether panel_linear runs rows on AMX tiles here (built for them and allowed by the kernel).
+bool has_amx_panels() {
+#if defined(KVREPLAY_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool has_panel_linear() {
 #if defined(__AVX512BF16__)
   return true;
@@ -491,6 +633,7 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("panel_linear_float(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("has_panel_linear() -> bool", &has_panel_linear);
+  m.def("has_amx_panels() -> bool", &has_amx_panels);
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.impl("panel_linear_float", c10::DispatchKey::CPU, &panel_linear_float);
