@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kvreplay.engine import cpu_kernels
-    kernel = cpu_kernels.prefill_attention()
+    kernel = cpu_kernels.prefill_attention(only_where_faster=False)
     if kernel is None:
         print("no compiled prefill kernel here (no toolchain, KVREPLAY_CPU_KERNELS=0 or no AVX512-BF16)")
         return 1

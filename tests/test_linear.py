@@ -6,7 +6,7 @@ from kernel_helpers import built_or_skip
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, Projection,
-                                    can_pack, has_amx_bf16, machine_panel_rows)
+                                    can_pack, machine_panel_rows)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -153,7 +153,7 @@ def test_rows_go_to_the_panel_kernel_up_to_the_machines_crossover(monkeypatch):
             machine_panel_rows()
     monkeypatch.delenv("KVREPLAY_PANEL_ROWS")
     amx_panels = cpu_kernels.layer_ops().has_amx_panels()
-    expected = PANEL_ROWS if not has_amx_bf16() else PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
+    expected = PANEL_ROWS if not cpu_kernels.has_amx_bf16() else PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
     assert machine_panel_rows() == expected
 
 

@@ -64,9 +64,26 @@ def need_block_mass() -> Any | None:
     return None if ops is None else ops.need_block_mass
 
 
-def prefill_attention() -> Any | None:
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags; False where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def prefill_attention(only_where_faster: bool = True) -> Any | None:
     """Causal attention of a bf16 prompt chunk over its resident earlier positions and itself
-    (same extension), or None where it does not build or the CPU lacks AVX512-BF16."""
+    (same extension), or None where it does not build or the CPU lacks AVX512-BF16. Also None on
+    a CPU with AMX tiles unless `only_where_faster` is False (tests, bench/prefill_attention.py):
+    there PyTorch's scaled_dot_product_attention runs on the tiles, 2-4x faster than this
+    kernel's vector code (128-2,048 tokens, docs/benchmarks.md)."""
+    if only_where_faster and has_amx_bf16():
+        return None
     ops = _load("decode_attention")
     return ops.prefill_causal if ops is not None and ops.has_prefill_causal() else None
 

@@ -42,7 +42,7 @@ class ModelRunner:
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         # bf16 prompt chunks over resident earlier positions go to the compiled causal kernel
-        # where it builds (else SDPA).
+        # where it builds and is the faster (else SDPA).
         self.prefill_kernel = cpu_kernels.prefill_attention() \
             if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
 

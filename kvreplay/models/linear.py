@@ -36,18 +36,6 @@ PANEL_ROWS_AMX = 64
 PANEL_ROWS_AMX_ONEDNN_ONLY = 2
 
 
-def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags; False where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
-
-
 def machine_panel_rows() -> int:
     """Most rows a bf16 projection hands to the panel kernel on this machine;
     KVREPLAY_PANEL_ROWS (0-128) overrides it."""
@@ -60,7 +48,7 @@ def machine_panel_rows() -> int:
         if not 0 <= rows <= PANEL_ROWS:
             raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
         return rows
-    if not has_amx_bf16():
+    if not cpu_kernels.has_amx_bf16():
         return PANEL_ROWS
     ops = cpu_kernels.layer_ops()
     amx_panels = ops is not None and ops.has_panel_linear() and ops.has_amx_panels()
