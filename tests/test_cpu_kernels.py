@@ -82,6 +82,30 @@ def test_kernel_lse_and_block_mass(op, dtype, tol):
     assert torch.all(mass[0, :, 1:] == 0)  # blocks past a row's context carry no mass
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_long_rows_split_into_chunks_and_merged(op, dtype, tol, block_size):
+    """Rows longer than 32 blocks are attended in chunks of 32 and merged by their log-sum-exps:
+    the output and lse equal the whole-row reference, and a row's bits are the same alone or in
+    any batch (the split depends only on its own length). Asking for block mass keeps rows whole."""
+    lengths = [512, 513, 1000, 2049, 37, 1]
+    query, keys, values, tables, context, _ = _case(dtype, len(lengths), lengths, seed=5,
+                                                    block_size=block_size, num_blocks=320)
+    scale = 0.125
+    out, lse, _ = op(query, keys, values, tables, context, scale, True, False)
+    want_out, want_lse, want_mass = _reference(query, keys, values, tables, context, scale)
+    assert (out.float() - want_out).abs().max().item() < tol
+    assert (lse - want_lse).abs().max().item() < 1e-4
+    for row in (1, 3):
+        alone, alone_lse, _ = op(query[row:row + 1], keys, values, tables[row:row + 1], context[row:row + 1],
+                                 scale, True, False)
+        assert torch.equal(alone, out[row:row + 1]) and torch.equal(alone_lse, lse[row:row + 1])
+    whole, whole_lse, mass = op(query, keys, values, tables, context, scale, True, True)
+    assert (whole.float() - want_out).abs().max().item() < tol
+    assert (whole_lse - want_lse).abs().max().item() < 1e-4
+    assert (mass - want_mass).abs().max().item() < 1e-4
+
+
 def test_kernel_ignores_padding_blocks(op):
     # Rows reach only their own context: changing what padding entries point at changes nothing.
     query, keys, values, tables, context, _ = _case(torch.float32, 2, [5, 200])

@@ -11,8 +11,9 @@
 // scores, for the need detector) and mass (per block, the largest share any of the KV head's G
 // query heads gives it, for the importance signal) are filled only when asked, else empty.
 //
-// Work is split over (sequence, KV head) pairs; the G = Hq / Hkv query heads that share a KV head
-// are handled together: each value row is widened to fp32 once for all of them, and with
+// Work is split over (sequence, KV head) pairs, a long row's pairs into chunks of 32 blocks
+// (merged by their log-sum-exps; see decode_rows); the G = Hq / Hkv query heads that share a KV
+// head are handled together: each value row is widened to fp32 once for all of them, and with
 // AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows).
 // The file also holds the need detector's scoring of dropped blocks (need_block_mass, below).
 // Built on first use by kvreplay/engine/cpu_kernels.py; the pure PyTorch path in attention.py
@@ -209,7 +210,8 @@ template <typename T, int FixedD>
 void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restrict vh,
                 const int64_t* __restrict table, int64_t L, int64_t G, int64_t head_dim, int64_t bs,
                 float scale, float* __restrict qf, float* __restrict acc, float* __restrict scores,
-                float* __restrict buf, T* __restrict o, float* __restrict lse, float* __restrict mass) {
+                float* __restrict buf, T* __restrict o, float* __restrict lse, float* __restrict mass,
+                float* __restrict o_fp32 = nullptr) {
   const int64_t D = FixedD > 0 ? FixedD : head_dim;
   widen(q, qf, G * D);
   for (int64_t i = 0; i < G * D; ++i) { qf[i] *= scale; acc[i] = 0.f; }
@@ -295,35 +297,98 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
       }
     }
   }
-  for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+  if (o_fp32)  // a chunk of a split row: merged with the others' before rounding
+    std::memcpy(o_fp32, acc, G * D * sizeof(float));
+  else
+    for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
 }
+
+// A row longer than kSplitBlocks cache blocks is split into chunks of that many, each its own
+// task (softmax over its own keys; fp32 output and log-sum-exp), merged once all are done. With
+// two threads and a few (sequence, KV head) pairs the threads otherwise wait on the odd pair
+// out: one 3,000-token row has 3 pairs, one thread reads two and the other one. The split
+// depends only on the row's own length, so a row's output does not depend on the other rows.
+// Not when mass is asked for (its shares need the whole row's normalization).
+constexpr int64_t kSplitBlocks = 32;
 
 template <typename T, int FixedD>
 void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
                  T* out, Outputs extra, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB,
                  int64_t bs, int64_t W, float scale) {
   const int64_t head_stride = NB * bs * D;  // one KV head's slab of the cache
+  const int64_t chunk_tokens = extra.mass ? std::numeric_limits<int64_t>::max() / 2 : kSplitBlocks * bs;
+  // row b's tasks are first[b] .. first[b + 1] - 1: for each KV head in order, its chunks in order
+  std::vector<int64_t> first(B + 1, 0);
   int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, ctx[b]);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t b = 0; b < B; ++b) {
+    longest = std::max(longest, std::min(ctx[b], chunk_tokens));
+    first[b + 1] = first[b] + Hkv * ((ctx[b] + chunk_tokens - 1) / chunk_tokens);
+  }
+  const int64_t tasks = first[B];
+  const bool any_split = tasks > B * Hkv;
+  std::vector<float> part_out(any_split ? tasks * G * D : 0), part_lse(any_split ? tasks * G : 0);
+  struct Task { int64_t b, h, c, chunks; };
+  auto locate = [&](int64_t task) {
+    const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+    const int64_t chunks = (first[b + 1] - first[b]) / Hkv, local = task - first[b];
+    return Task{b, local / chunks, local % chunks, chunks};
+  };
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(2 * G * D + G * longest + bs * D);
     float* qf = work.data();
     float* acc = qf + G * D;
     float* scores = acc + G * D;
     float* buf = scores + G * longest;
+    Task t = locate(begin);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t head = b * Hkv * G + h * G;  // query heads h*G .. h*G+G-1 of sequence b
+      const Task next = task + 1 < end ? locate(task + 1) : t;
       if (task + 1 < end) {  // the next task's first key blocks, so that it does not start on a stall
-        const int64_t nb = (task + 1) / Hkv, nh = (task + 1) % Hkv;
-        const int64_t first = std::min(kPrefetchAhead, (ctx[nb] + bs - 1) / bs);
-        for (int64_t i = 0; i < first; ++i)
-          prefetch_to_l2(kc + nh * head_stride + tables[nb * W + i] * bs * D, bs * D);
+        const int64_t blocks = std::min(kPrefetchAhead, (std::min(chunk_tokens, ctx[next.b] - next.c * chunk_tokens) + bs - 1) / bs);
+        const int64_t* row = tables + next.b * W + next.c * (chunk_tokens / bs);
+        for (int64_t i = 0; i < blocks; ++i) prefetch_to_l2(kc + next.h * head_stride + row[i] * bs * D, bs * D);
       }
-      attend_one<T, FixedD>(q + head * D, kc + h * head_stride, vc + h * head_stride, tables + b * W,
-                            ctx[b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
-                            extra.lse ? extra.lse + head : nullptr,
-                            extra.mass ? extra.mass + task * W : nullptr);
+      const int64_t head = t.b * Hkv * G + t.h * G;  // query heads h*G .. h*G+G-1 of sequence b
+      if (t.chunks == 1) {
+        attend_one<T, FixedD>(q + head * D, kc + t.h * head_stride, vc + t.h * head_stride, tables + t.b * W,
+                              ctx[t.b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
+                              extra.lse ? extra.lse + head : nullptr,
+                              extra.mass ? extra.mass + (t.b * Hkv + t.h) * W : nullptr);
+      } else {
+        const int64_t start = t.c * chunk_tokens;
+        attend_one<T, FixedD>(q + head * D, kc + t.h * head_stride, vc + t.h * head_stride,
+                              tables + t.b * W + start / bs, std::min(chunk_tokens, ctx[t.b] - start), G, D, bs,
+                              scale, qf, acc, scores, buf, nullptr, part_lse.data() + task * G, nullptr,
+                              part_out.data() + task * G * D);
+      }
+      t = next;
+    }
+  });
+  if (!any_split) return;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {  // merge the split rows' chunks
+    std::vector<float> merged(D), weights;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / Hkv, h = pair % Hkv, chunks = (first[b + 1] - first[b]) / Hkv;
+      if (chunks == 1) continue;
+      const int64_t task0 = first[b] + h * chunks, head = b * Hkv * G + h * G;
+      weights.resize(chunks);
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_lse[(task0 + c) * G + g]);
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          weights[c] = std::exp(part_lse[(task0 + c) * G + g] - m);
+          total += weights[c];
+        }
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* o = part_out.data() + ((task0 + c) * G + g) * D;
+          const float w = weights[c] / total;
+          for (int64_t d = 0; d < D; ++d) merged[d] += w * o[d];
+        }
+        T* dst = out + (head + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d]);
+        if (extra.lse) extra.lse[head + g] = m + std::log(total);
+      }
     }
   });
 }
