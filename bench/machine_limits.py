@@ -5,8 +5,9 @@ Usage: python bench/machine_limits.py [--threads N] [--dtype bfloat16]
 Measures memory bandwidth (a large tensor copy: read + write; a large sum: read only, which is
 what streaming weights does) and the matmul rate at the shapes a decode step of the default model
 uses, both through plain `F.linear` and through the engine's `Projection` (packed oneDNN weights,
-the panel kernel for 1-128 rows), then prints the floor on one decode step:
-max(weight bytes / read bandwidth, FLOPs / matmul rate) at batch 1, 4, 8, 32 and 256.
+the panel kernel up to `machine_panel_rows()` rows: 128 on an AVX512-BF16 CPU, 64 with AMX
+tiles), then prints the floor on one decode step:
+max(weight bytes / read bandwidth, FLOPs / matmul rate) at batch 1, 4, 8, 16, 32, 64 and 256.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     matmuls = {"F.linear": (plain, lambda x, w: torch.nn.functional.linear(x, w)),
                "Projection": (engine, lambda x, proj: proj(x))}
     floor_bw = weight_bytes / read_bandwidth
-    for batch in (1, 4, 8, 32, 256):
+    for batch in (1, 4, 8, 16, 32, 64, 256):
         x = {i: torch.randn(batch, i, dtype=dtype) for i in {hidden, inter}}
         for name, (weights, matmul) in matmuls.items():
             def step():
