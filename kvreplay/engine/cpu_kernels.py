@@ -17,6 +17,7 @@ Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -64,8 +65,10 @@ def need_block_mass() -> Any | None:
     return None if ops is None else ops.need_block_mass
 
 
+@functools.cache
 def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags; False where unknown)."""
+    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags, read once; False where
+    unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
