@@ -10,7 +10,7 @@ On CPU in bf16 two layouts of each weight are kept:
   matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each weight load feeds
   up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and ~28). On a CPU
   with AMX tiles it runs on them: ~10.5 ms at 2-16 rows (the weights' stream from memory),
-  ~14.5 at 32, against oneDNN's ~14.5 and ~17.5; oneDNN wins from ~64 rows
+  ~14.5 at 32, ~21.7 at 64, against oneDNN's ~14.5, ~17.5 and ~22.3; oneDNN wins from ~96 rows
   (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
   bf16 rounding step, and a row's result does not depend on the other rows. The price is a
   second copy of the weights in memory (+270 MB for the default model).
