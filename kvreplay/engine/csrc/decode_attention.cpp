@@ -82,6 +82,16 @@ inline float exp_shifted(float* sg, int64_t L, float m) {
   return _mm512_reduce_add_ps(total);
 }
 
+// the largest of sg[0 .. L - 1] (a scalar loop waits on each comparison: ~4 cycles a score)
+inline float max_of(const float* sg, int64_t L) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(sg + t));
+  if (t < L) best = _mm512_mask_max_ps(best, static_cast<__mmask16>((1u << (L - t)) - 1u), best,
+                                       _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (L - t)) - 1u), sg + t));
+  return _mm512_reduce_max_ps(best);
+}
+
 // Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead of the score
 // pass: it asks for the keys of the block kPrefetchAhead on into L2 (which takes more misses in
 // flight than L1; 8 measured best of 4/8/12/16 on this machine), for the next block's keys into
@@ -196,12 +206,25 @@ template <int D>
 inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
                                 float, float*) {}
 inline float exp_shifted(float*, int64_t, float) { return 0.f; }
+inline float max_of(const float*, int64_t) { return 0.f; }
 template <typename T> constexpr bool kLoads16 = false;
 template <int D, typename T>
 inline void block_scores16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
 template <int D, typename T>
 inline void block_values16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
 #endif
+
+// o[i] = acc[i] rounded to T (to nearest even, as static_cast); 16 lanes at a time for bf16
+template <typename T>
+inline void store_rows(const float* acc, T* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) o[i] = static_cast<T>(acc[i]);
+}
 
 // One (sequence, KV head) pair: G query rows against the L keys and values listed by `table`.
 // FixedD > 0 makes the head size a compile-time constant (unrolled, vectorized dot products).
@@ -253,11 +276,12 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   for (int64_t g = 0; g < G; ++g) {  // softmax per query row, in fp32
     float* sg = scores + g * L;
     float m = sg[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
     float sum = 0.f;
     if constexpr (kHaveAvx512) {
+      m = max_of(sg, L);
       sum = exp_shifted(sg, L, m);
     } else {
+      for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
       for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
     }
     const float inv = 1.f / sum;
@@ -300,7 +324,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   if (o_fp32)  // a chunk of a split row: merged with the others' before rounding
     std::memcpy(o_fp32, acc, G * D * sizeof(float));
   else
-    for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    store_rows(acc, o, G * D);
 }
 
 // A row longer than kSplitBlocks cache blocks is split into chunks of that many, each its own
