@@ -49,6 +49,24 @@ def test_kernel_matches_pytorch_path(op, dtype, tol, head_dim, group, block_size
     assert lse.numel() == 0 and mass.numel() == 0  # not asked for
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_taken_as_views_of_the_fused_qkv(op, dtype):
+    """The engine hands q as a view into the fused QKV output (rows 960 values apart): the kernel
+    reads it in place, and any layout gives the bits of the contiguous query."""
+    lengths = [3, 40, 300]
+    query, keys, values, tables, context, _ = _case(dtype, len(lengths), lengths)
+    expected, lse_expected, _ = op(query, keys, values, tables, context, 0.125, True, False)
+    wide = torch.zeros(len(lengths), 2 * query.shape[1] + 1, query.shape[2], dtype=dtype)
+    wide[:, 1:1 + query.shape[1]] = query
+    row_strided = wide[:, 1:1 + query.shape[1]]
+    assert not row_strided.is_contiguous()
+    heads_strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # heads not together
+    for view in (row_strided, heads_strided, query[:1]):
+        got, lse, _ = op(view, keys, values, tables[:view.shape[0]], context[:view.shape[0]], 0.125, True, False)
+        assert got.is_contiguous() and got.shape == view.shape
+        assert torch.equal(got, expected[:view.shape[0]]) and torch.equal(lse, lse_expected[:view.shape[0]])
+
+
 def _reference(query, keys, values, tables, context, scale):
     """fp32 attention row by row from the gathered blocks: out, log-sum-exp [B, Hq], and per KV head
     and block the largest share any of its query heads gives the block [B, Hkv, W]."""

@@ -108,9 +108,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if not cache_written:
         key_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         value_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    out = torch.empty_like(q)
-
     num_decode = meta.num_decode_tokens
+    if num_decode == q.shape[0] and not meta.prefills:  # a decode-only step: no copy
+        return _decode_attention(q, key_cache, value_cache, meta, scale)
+    out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = _decode_attention(q[:num_decode], key_cache, value_cache, meta, scale)
 
@@ -247,7 +248,7 @@ def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     num_kv = key_cache.shape[0]
     probe = meta.probe
     layer = None if probe is None else probe.next_layer()
-    out, lse, mass = meta.decode_kernel(q.contiguous(), key_cache, value_cache, meta.decode_block_tables,
+    out, lse, mass = meta.decode_kernel(q, key_cache, value_cache, meta.decode_block_tables,
                                         meta.decode_context, scale, layer is not None,
                                         meta.observe_decode)
     if layer is not None:

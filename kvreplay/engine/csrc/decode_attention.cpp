@@ -2,7 +2,7 @@
 // block-paged cache (no gathered copy), fp32 softmax and accumulation, each row attending to
 // exactly its own context length (no padding to the longest row).
 //
-//   query        [B, Hq, D]              bf16 or fp32, contiguous
+//   query        [B, Hq, D]              bf16 or fp32; a row's heads contiguous, rows any stride
 //   key_cache    [Hkv, num_blocks, bs, D] same dtype (one layer's K); value_cache likewise
 //   block_tables [B, W] int64           row b's blocks in position order (padding never read)
 //   context_lens [B] int64              tokens row b attends to (its last block may be partial)
@@ -336,9 +336,9 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
 constexpr int64_t kSplitBlocks = 32;
 
 template <typename T, int FixedD>
-void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* ctx,
-                 T* out, Outputs extra, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t NB,
-                 int64_t bs, int64_t W, float scale) {
+void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int64_t* tables,
+                 const int64_t* ctx, T* out, Outputs extra, int64_t B, int64_t Hkv, int64_t G, int64_t D,
+                 int64_t NB, int64_t bs, int64_t W, float scale) {
   const int64_t head_stride = NB * bs * D;  // one KV head's slab of the cache
   const int64_t chunk_tokens = extra.mass ? std::numeric_limits<int64_t>::max() / 2 : kSplitBlocks * bs;
   // row b's tasks are first[b] .. first[b + 1] - 1: for each KV head in order, its chunks in order
@@ -372,14 +372,15 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
         for (int64_t i = 0; i < blocks; ++i) prefetch_to_l2(kc + next.h * head_stride + row[i] * bs * D, bs * D);
       }
       const int64_t head = t.b * Hkv * G + t.h * G;  // query heads h*G .. h*G+G-1 of sequence b
+      const T* qh = q + t.b * q_row + t.h * G * D;
       if (t.chunks == 1) {
-        attend_one<T, FixedD>(q + head * D, kc + t.h * head_stride, vc + t.h * head_stride, tables + t.b * W,
+        attend_one<T, FixedD>(qh, kc + t.h * head_stride, vc + t.h * head_stride, tables + t.b * W,
                               ctx[t.b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
                               extra.lse ? extra.lse + head : nullptr,
                               extra.mass ? extra.mass + (t.b * Hkv + t.h) * W : nullptr);
       } else {
         const int64_t start = t.c * chunk_tokens;
-        attend_one<T, FixedD>(q + head * D, kc + t.h * head_stride, vc + t.h * head_stride,
+        attend_one<T, FixedD>(qh, kc + t.h * head_stride, vc + t.h * head_stride,
                               tables + t.b * W + start / bs, std::min(chunk_tokens, ctx[t.b] - start), G, D, bs,
                               scale, qf, acc, scores, buf, nullptr, part_lse.data() + task * G, nullptr,
                               part_out.data() + task * G * D);
@@ -422,8 +423,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, bool want_lse,
     bool want_mass) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, Hq, D], cache [Hkv, NB, bs, D]");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "contiguous inputs expected");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches expected");
+  // a row's query heads must lie together (a view into the fused QKV output is taken as it is)
+  const at::Tensor q = query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2))
+                           ? query : query.contiguous();
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
               value_cache.scalar_type() == query.scalar_type() && value_cache.sizes() == key_cache.sizes(),
               "query, key and value caches must share dtype (and the caches their shape)");
@@ -446,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
         TORCH_CHECK(ids[b * W + i] >= 0 && ids[b * W + i] < NB, "block ids outside the cache: ", ids[b * W + i]);
     }
   }
-  auto out = at::empty_like(query);
+  auto out = at::empty({B, Hq, D}, query.options());
   auto fp32 = query.options().dtype(at::kFloat);
   auto lse = want_lse ? at::empty({B, Hq}, fp32) : at::empty({0}, fp32);
   auto mass = want_mass ? at::zeros({B, Hkv, W}, fp32) : at::empty({0}, fp32);
@@ -455,7 +458,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   if (want_mass) extra.mass = mass.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto kernel) {
-      kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+      kernel(q.data_ptr<scalar_t>(), B > 1 ? q.stride(0) : Hq * D, key_cache.data_ptr<scalar_t>(),
+             value_cache.data_ptr<scalar_t>(),
              tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), extra, B,
              Hkv, Hq / Hkv, D, NB, bs, W, static_cast<float>(scale));
     };
