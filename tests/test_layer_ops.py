@@ -182,3 +182,150 @@ def test_greedy_sampling_uses_the_compiled_argmax(ops, monkeypatch):
     params = [sampling.SamplingParams(temperature=0)] * 6
     assert torch.equal(sampling.sample(logits, params, [None] * 6), logits.argmax(-1))
     assert calls == [(6, 1000)]
+
+
+def test_decode_layer_gives_the_layer_codes_bits(ops):
+    """bf16 decode steps through decode_layer (one compiled call a layer) give the logits of the
+    Python layer code bit for bit, for short rows and a row split into chunks (> 512 tokens),
+    with every step's blocks checked."""
+    from kvreplay import LLM, SamplingParams
+    from kvreplay.bench.workload import corpus_token_ids
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if not any(model.fused_rows):
+        pytest.skip("no panel kernel on this CPU: decode_layer is never used")
+    assert min(model.fused_rows) >= 1
+    corpus = corpus_token_ids(llm.tokenizer)
+    prompts = [corpus[:600], corpus[1000:1040], corpus[2000:2003]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
+    logits, fused_calls = {}, []
+
+    def capture(label):
+        def forward(*args, **kwargs):
+            out = original_forward(*args, **kwargs)
+            logits.setdefault(label, []).append(out.clone())
+            return out
+        return forward
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return original_layer(*args, **kwargs)
+
+    tokens = {}
+    try:
+        model.decode_layer = counted
+        for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
+            model.fused_rows = rows
+            model.forward = capture(label)
+            outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
+            tokens[label] = [o.token_ids for o in outs]
+    finally:
+        model.fused_rows = fused_rows
+        del model.forward, model.decode_layer
+    num_layers = model.config.num_layers
+    assert len(fused_calls) == 5 * num_layers  # the 5 decode steps after the prefill, every layer
+    assert tokens["fused"] == tokens["python"]
+    assert len(logits["fused"]) == len(logits["python"]) >= 6  # prompt chunks, then 5 decode steps
+    for a, b in zip(logits["fused"], logits["python"]):
+        assert torch.equal(a, b)
+
+
+def test_decode_layer_rejects_bad_weights(ops):
+    """A wrong panel tensor is a clear error naming the projection, not a crash."""
+    if not hasattr(ops, "decode_layer") or not ops.has_panel_linear():
+        pytest.skip("no panel kernel on this CPU")
+    built_or_skip(cpu_kernels.decode_attention(), "CPU decode kernel")
+    H, D, Hq, Hkv, F = 64, 16, 4, 2, 96
+    bf = torch.bfloat16
+    panels = lambda out, inp: ops.pack_panels(torch.randn(out, inp).to(bf))  # noqa: E731
+    cache = torch.zeros(2, Hkv, 4, 16, D, dtype=bf)
+    args = dict(delta=torch.randn(2, H).to(bf), residual=None, input_norm=torch.ones(H, dtype=bf),
+                post_norm=torch.ones(H, dtype=bf), eps=1e-5, qkv=panels((Hq + 2 * Hkv) * D, H), qkv_bias=None,
+                o=panels(H, Hq * D), o_bias=None, gate_up=panels(2 * F, H), gate_up_bias=None,
+                down=panels(H, F), down_bias=None, cos=torch.ones(2, D, dtype=bf), sin=torch.zeros(2, D, dtype=bf),
+                num_q=Hq, num_kv=Hkv, kv_cache=cache, slot_mapping=torch.tensor([0, 16]),
+                block_tables=torch.tensor([[0], [1]]), context_lens=torch.tensor([1, 1]), scale=0.25)
+    out, hidden, mass = ops.decode_layer(*args.values())
+    assert out.shape == hidden.shape == (2, H) and torch.isfinite(out.float()).all()
+    assert mass.numel() == 0  # not asked for
+    _, _, mass = ops.decode_layer(*args.values(), True)
+    assert mass.shape == (2, 1) and torch.allclose(mass, torch.ones(2, 1))  # one key: all its mass
+    written = cache.clone()
+    for name, bad in (("qkv", panels(Hq * D, H)), ("o", panels(H, 2 * Hq * D)), ("down", panels(H, 2 * F))):
+        cache.zero_()
+        with pytest.raises(RuntimeError, match=rf"decode_layer: {name} weight"):
+            ops.decode_layer(*{**args, name: bad}.values())
+        assert not cache.any()  # refused before anything was written
+    assert written.any()  # (the good call did write its tokens' K/V)
+
+
+def test_decode_layer_leaves_the_need_detectors_layers_to_the_layer_code(ops):
+    """With the replay policy's need detector reading layers 20-23, a decode step runs the other
+    layers through decode_layer and those four through the layer code (which hands the detector
+    its log-sum-exps); tokens, logits and the block importance the steps record are the Python
+    path's bit for bit."""
+    from kvreplay import LLM, SamplingParams
+    from kvreplay.bench.workload import corpus_token_ids
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False, policy="replay",
+              trim="prefill", resident_ratio=0.2, window_tokens=128, need_layers="20-23")
+    model = llm.engine.runner.model
+    if not any(model.fused_rows):
+        pytest.skip("no panel kernel on this CPU: decode_layer is never used")
+    corpus = corpus_token_ids(llm.tokenizer)
+    prompts = [corpus[:1200], corpus[3000:4000]]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
+    logits, per_step, calls, masses = {}, [], [], {}
+
+    def capture(label):
+        def forward(*args, **kwargs):
+            calls.clear()
+            out = original_forward(*args, **kwargs)
+            meta = args[3]
+            decode_only = not meta.prefills and meta.num_decode_tokens == args[0].shape[0]
+            per_step.append((label, len(calls), decode_only and meta.probe is not None))
+            logits.setdefault(label, []).append(out.clone())
+            if meta.decode_mass is not None:
+                masses.setdefault(label, []).append(meta.decode_mass.clone())
+            return out
+        return forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original_layer(*args, **kwargs)
+
+    tokens = {}
+    try:
+        model.decode_layer = counted
+        for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
+            model.fused_rows = rows
+            model.forward = capture(label)
+            outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
+            tokens[label] = [o.token_ids for o in outs]
+    finally:
+        model.fused_rows = fused_rows
+        del model.forward, model.decode_layer
+    num_layers = model.config.num_layers
+    probed = [n for label, n, probe in per_step if label == "fused" and probe]
+    assert probed and set(probed) == {num_layers - 4}  # the detector's four layers in Python
+    assert all(n == 0 for label, n, _ in per_step if label == "python")
+    assert tokens["fused"] == tokens["python"]
+    assert len(logits["fused"]) == len(logits["python"])
+    for a, b in zip(logits["fused"], logits["python"]):
+        assert torch.equal(a, b)
+    assert len(masses["fused"]) == len(masses["python"]) >= 4
+    for a, b in zip(masses["fused"], masses["python"]):
+        assert torch.equal(a, b)
+
+
+def test_need_probe_skips_only_the_layers_it_does_not_read():
+    from kvreplay.engine.attention import NeedProbe
+    probe = NeedProbe(rows=torch.zeros(0), slot_table=torch.zeros(0), valid=torch.zeros(0), key_index=None,
+                      top_blocks=1, layers=frozenset({1}))
+    assert probe.skip_layer() and probe.layer == 1
+    assert not probe.skip_layer() and probe.layer == 1  # layer 1 is read: the caller runs it
+    assert probe.next_layer() == 1 and probe.skip_layer() and probe.layer == 3
+    every = NeedProbe(rows=torch.zeros(0), slot_table=torch.zeros(0), valid=torch.zeros(0), key_index=None,
+                      top_blocks=1)
+    assert not every.skip_layer() and every.next_layer() == 0

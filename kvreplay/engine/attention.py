@@ -58,6 +58,13 @@ class NeedProbe:
         self.layer += 1
         return layer if self.layers is None or layer in self.layers else None
 
+    def skip_layer(self) -> bool:
+        """Move past the next layer if the detector does not read it (True); else stay (False)."""
+        if self.layers is None or self.layer in self.layers:
+            return False
+        self.layer += 1
+        return True
+
 
 @dataclass
 class ColdAttention:
@@ -212,7 +219,7 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     def per_row(keys: torch.Tensor) -> torch.Tensor:  # [Hkv, B, G, L] -> [B, L / bs]
         return block_mass(keys.transpose(0, 1).reshape(num_seqs, num_kv * group, 1, -1), block_size)
 
-    _add_decode_mass(meta, per_row(heads[..., :width]))
+    add_decode_mass(meta, per_row(heads[..., :width]))
     if probs.shape[-1] == width:
         return
     cold = heads[..., width:]                                                  # [Hkv, B, G, picks*bs]
@@ -256,11 +263,11 @@ def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         rows_query = (q * scale).view(*heads, head_dim).index_select(0, probe.rows)
         _probe_dropped(probe, layer, rows_query, lse.view(*heads).index_select(0, probe.rows))
     if meta.observe_decode:
-        _add_decode_mass(meta, mass.amax(1))  # the largest over KV heads, as block_mass takes it
+        add_decode_mass(meta, mass.amax(1))  # the largest over KV heads, as block_mass takes it
     return out
 
 
-def _add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
+def add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
     """Add one layer's hot-block mass [B, max_blocks] to the step's sum over layers."""
     meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
 

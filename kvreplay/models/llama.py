@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.engine.attention import AttentionMetadata, paged_attention
+from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.linear import Projection
 
@@ -88,6 +88,29 @@ class LlamaModel:
         # On CPU the layer glue (residual add + RMSNorm, RoPE + cache write, SiLU x up) runs as compiled
         # single ops (kvreplay/engine/csrc/layer_ops.cpp) where they build; else plain PyTorch.
         self.layer_ops = cpu_kernels.layer_ops() if self.device.type == "cpu" else None
+        # A decode-only step runs each layer as one compiled op (decode_layer: the same ops in
+        # the same order, without the Python between them) up to this many rows; 0: never.
+        self.decode_attention_op = cpu_kernels.decode_attention() if self.layer_ops is not None else None
+        self.fused_rows = [self._fused_rows(layer) for layer in self.layers]
+
+    def _fused_rows(self, layer: dict) -> int:
+        """Most rows layer `layer` takes through decode_layer: every projection must go to the
+        panel kernel at that count (else 0)."""
+        if self.decode_attention_op is None or not hasattr(self.layer_ops, "decode_layer") \
+                or self.dtype != torch.bfloat16 or layer["q_norm"] is not None:
+            return 0
+        projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
+        if any(p.panel_linear is None for p in projections):
+            return 0
+        return min(p.panel_rows for p in projections)
+
+    def _fused_step(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step may run layers through decode_layer: decode rows only, through the
+        compiled attention kernel as it is (no wrapper). The need detector's layers still go
+        through `layer` (see forward)."""
+        return (self.layer_ops is not None and meta.decode_kernel is not None
+                and meta.decode_kernel is self.decode_attention_op
+                and meta.num_decode_tokens == num_tokens and not meta.prefills)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -107,8 +130,13 @@ class LlamaModel:
         # The residual stream is carried as (residual, delta): each norm adds the last sublayer's
         # output in the same pass, as transformers' `residual + sublayer(x)` does.
         delta, residual = self.embed(input_ids), None  # [T, hidden]
+        num_tokens = input_ids.shape[0]
+        fused = self._fused_step(meta, num_tokens)
         for index, kv_cache in enumerate(kv_caches):
-            delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
+            if fused and num_tokens <= self.fused_rows[index] and (meta.probe is None or meta.probe.skip_layer()):
+                delta, residual = self.decode_layer(index, delta, residual, cos, sin, kv_cache, meta)
+            else:
+                delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
         if logit_indices is not None:
             delta, residual = delta[logit_indices], residual[logit_indices]
         return self.logits(delta.contiguous(), residual.contiguous())
@@ -126,6 +154,21 @@ class LlamaModel:
         norm = self.layer_ops.add_rms_norm if self.layer_ops is not None else add_rms_norm
         hidden, _ = norm(delta, residual, self.norm, self.config.rms_norm_eps)
         return self.lm_head.float_output(hidden)
+
+    def decode_layer(self, index: int, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer` for a decode-only step in one compiled call (see `_fused_step`)."""
+        layer, cfg = self.layers[index], self.config
+        qkv, o, gate_up, down = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
+        delta, residual, mass = self.layer_ops.decode_layer(
+            delta, residual, layer["input_norm"], layer["post_norm"], cfg.rms_norm_eps,
+            qkv.panels, qkv.bias, o.panels, o.bias, gate_up.panels, gate_up.bias, down.panels, down.bias,
+            cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_cache, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_context, self.scale, meta.observe_decode)
+        if meta.observe_decode:
+            add_decode_mass(meta, mass)
+        return delta, residual
 
     def layer(self, index: int, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
               sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

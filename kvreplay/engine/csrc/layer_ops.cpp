@@ -607,6 +607,55 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---- decode_layer: one decoder layer of a decode-only step in one call ----
+// The ops above in the order kvreplay/models/llama.py calls them, with the CPU decode attention
+// kernel (kvreplay_cpu::decode_attention, loaded by the caller) in the middle: the same functions
+// on the same tensors, so the same bits, without ~12 Python-level calls a layer (~70 us at any
+// batch size: ~2 ms of a 30-layer step). With want_mass, the third output is the importance
+// signal attention.py takes from the kernel: per row and block, the largest mass over KV heads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& delta, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
+    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+    const c10::optional<at::Tensor>& down_bias, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
+    int64_t num_kv, at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, double scale, bool want_mass) {
+  static const auto attention =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvreplay_cpu::decode_attention", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, double, bool, bool)>();
+  TORCH_CHECK(delta.dim() == 2 && kv_cache.dim() == 5, "decode_layer: delta [T, H] and kv_cache [2, Hkv, blocks, bs, D] expected");
+  const int64_t T_ = delta.size(0), H = delta.size(1), D = kv_cache.size(4);
+  // the weights' shapes first, so that a wrong one fails before the cache is written
+  auto check = [](const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2, "decode_layer: ", name,
+                " must come from pack_panels");
+    const int64_t N = packed.size(0) * kLanes, K = packed.size(1) * 2;
+    TORCH_CHECK((n < 0 || N == n) && K == k, "decode_layer: ", name, " weight is [", N, ", ", K,
+                "], expected [", n < 0 ? "any" : std::to_string(n), ", ", k, "]");
+    return N;
+  };
+  check(qkv, (num_q + 2 * num_kv) * D, H, "qkv");
+  check(o, H, num_q * D, "o");
+  const int64_t F = check(gate_up, -1, H, "gate_up") / 2;
+  check(down, H, F, "down");
+  auto [x, hidden] = add_rms_norm(delta, residual, input_norm, eps);
+  auto fused = panel_product(x, qkv, qkv_bias, false, "decode_layer: qkv");
+  rope_write_cache(fused, cos, sin, num_q, num_kv, kv_cache, slot_mapping);
+  const auto q = fused.view({T_, -1, D}).narrow(1, 0, num_q);
+  const auto caches = kv_cache.unbind(0);
+  const auto [attn, lse, mass] =
+      attention.call(q, caches[0], caches[1], block_tables, context_lens, scale, false, want_mass);
+  auto out = panel_product(attn.view({T_, num_q * D}), o, o_bias, false, "decode_layer: o");
+  auto [x2, hidden2] = add_rms_norm(out, hidden, post_norm, eps);
+  auto mlp = silu_mul(panel_product(x2, gate_up, gate_up_bias, false, "decode_layer: gate_up"));
+  return {panel_product(mlp, down, down_bias, false, "decode_layer: down"), hidden2,
+          want_mass ? mass.amax(1) : mass};
+}
+
 // Whether panel_linear runs rows on AMX tiles here (built for them and allowed by the kernel).
 bool has_amx_panels() {
 #if defined(KVREPLAY_AMX)
@@ -645,4 +694,10 @@ TORCH_LIBRARY(kvreplay_layer, m) {
         "Tensor(b!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("rope_write_cache", c10::DispatchKey::CPU, &rope_write_cache);
+  m.def("decode_layer(Tensor delta, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, Tensor gate_up, Tensor? gate_up_bias, "
+        "Tensor down, Tensor? down_bias, Tensor cos, Tensor sin, int num_q, int num_kv, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, float scale, bool want_mass=False) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }
