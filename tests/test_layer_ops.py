@@ -329,3 +329,20 @@ def test_need_probe_skips_only_the_layers_it_does_not_read():
     every = NeedProbe(rows=torch.zeros(0), slot_table=torch.zeros(0), valid=torch.zeros(0), key_index=None,
                       top_blocks=1)
     assert not every.skip_layer() and every.next_layer() == 0
+
+
+def test_fused_decode_switch(monkeypatch):
+    """KVREPLAY_FUSED_DECODE=0 keeps every layer on the Python layer code; a bad value is an error."""
+    from kvreplay import LLM
+    from kvreplay.models.llama import fused_decode_enabled
+    monkeypatch.delenv("KVREPLAY_FUSED_DECODE", raising=False)
+    assert fused_decode_enabled()
+    for value, expected in (("1", True), (" 0 ", False)):
+        monkeypatch.setenv("KVREPLAY_FUSED_DECODE", value)
+        assert fused_decode_enabled() is expected
+    monkeypatch.setenv("KVREPLAY_FUSED_DECODE", "yes")
+    with pytest.raises(ValueError, match="KVREPLAY_FUSED_DECODE must be 0 or 1"):
+        fused_decode_enabled()
+    monkeypatch.setenv("KVREPLAY_FUSED_DECODE", "0")
+    llm = LLM(dtype="bfloat16", kv_cache_memory="16MiB")
+    assert not any(llm.engine.runner.model.fused_rows)

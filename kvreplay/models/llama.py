@@ -5,6 +5,8 @@ delegated to `kvreplay.engine.attention.paged_attention`, which reads and writes
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def fused_decode_enabled() -> bool:
+    """KVREPLAY_FUSED_DECODE=0 runs decode steps through the Python layer code (for comparisons
+    and debugging); 1 or unset: through decode_layer where it applies."""
+    value = os.environ.get("KVREPLAY_FUSED_DECODE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"KVREPLAY_FUSED_DECODE must be 0 or 1, got {value!r}")
+    return value != "0"
 
 
 class LlamaModel:
@@ -91,7 +102,7 @@ class LlamaModel:
         # A decode-only step runs each layer as one compiled op (decode_layer: the same ops in
         # the same order, without the Python between them) up to this many rows; 0: never.
         self.decode_attention_op = cpu_kernels.decode_attention() if self.layer_ops is not None else None
-        self.fused_rows = [self._fused_rows(layer) for layer in self.layers]
+        self.fused_rows = [self._fused_rows(layer) if fused_decode_enabled() else 0 for layer in self.layers]
 
     def _fused_rows(self, layer: dict) -> int:
         """Most rows layer `layer` takes through decode_layer: every projection must go to the
