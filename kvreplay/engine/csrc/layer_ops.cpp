@@ -26,6 +26,10 @@
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
+//   decode_layer(delta, residual?, norms, eps, panels and biases, cos, sin, heads, kv_cache, slots,
+//                tables, lengths, scale, want_mass) -> (delta, residual, mass)
+//       A whole decoder layer of a decode-only step: the ops above and the decode attention
+//       kernel in the order kvreplay/models/llama.py calls them (same bits), one call a layer.
 //   argmax_rows(x) -> for each row of a 2-D fp32 tensor, the index of its largest value, the
 //       first one on ties, a NaN's when the row has one: torch.argmax's answer. At 32 rows of
 //       49,152 logits torch.argmax takes ~0.7 ms here, most of it outside the memory reads.
