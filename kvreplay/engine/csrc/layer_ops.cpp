@@ -614,8 +614,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // ---- decode_layer: one decoder layer of a decode-only step in one call ----
 // The ops above in the order kvreplay/models/llama.py calls them, with the CPU decode attention
 // kernel (kvreplay_cpu::decode_attention, loaded by the caller) in the middle: the same functions
-// on the same tensors, so the same bits, without ~12 Python-level calls a layer (~70 us at any
-// batch size: ~2 ms of a 30-layer step). With want_mass, the third output is the importance
+// on the same tensors, so the same bits, without ~12 Python-level calls a layer (measured ~50 us
+// a layer at batch 1, ~100 at batch 32 on the Xeon of docs/benchmarks.md: 1.5-3 ms a step). With want_mass, the third output is the importance
 // signal attention.py takes from the kernel: per row and block, the largest mass over KV heads.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& delta, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
