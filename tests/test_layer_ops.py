@@ -184,6 +184,58 @@ def test_greedy_sampling_uses_the_compiled_argmax(ops, monkeypatch):
     assert calls == [(6, 1000)]
 
 
+def _fused_and_python_runs(llm, prompts, params) -> dict:
+    """Generate `prompts` once through decode_layer and once through the Python layer code
+    (fused_rows 0), checking the blocks every step. Per run: tokens, every step's logits and
+    recorded block importance, and per step (decode_layer calls, whether it was a decode-only
+    step with a need probe)."""
+    model = llm.engine.runner.model
+    if not any(model.fused_rows):
+        pytest.skip("no panel kernel on this CPU: decode_layer is never used")
+    fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
+    runs = {label: {"logits": [], "masses": [], "steps": []} for label in ("fused", "python")}
+    calls = []
+
+    def capture(run):
+        def forward(*args, **kwargs):
+            calls.clear()
+            out = original_forward(*args, **kwargs)
+            input_ids, meta = args[0], args[3]
+            decode_only = not meta.prefills and meta.num_decode_tokens == input_ids.shape[0]
+            run["steps"].append((len(calls), decode_only and meta.probe is not None))
+            run["logits"].append(out.clone())
+            if meta.decode_mass is not None:
+                run["masses"].append(meta.decode_mass.clone())
+            return out
+        return forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original_layer(*args, **kwargs)
+
+    try:
+        model.decode_layer = counted
+        for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
+            model.fused_rows = rows
+            model.forward = capture(runs[label])
+            outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
+            runs[label]["tokens"] = [o.token_ids for o in outs]
+    finally:
+        model.fused_rows = fused_rows
+        del model.forward, model.decode_layer
+    assert all(n == 0 for n, _ in runs["python"]["steps"])
+    return runs
+
+
+def _assert_same_bits(runs: dict) -> None:
+    fused, python = runs["fused"], runs["python"]
+    assert fused["tokens"] == python["tokens"]
+    for key in ("logits", "masses"):
+        assert len(fused[key]) == len(python[key])
+        for a, b in zip(fused[key], python[key]):
+            assert torch.equal(a, b)
+
+
 def test_decode_layer_gives_the_layer_codes_bits(ops):
     """bf16 decode steps through decode_layer (one compiled call a layer) give the logits of the
     Python layer code bit for bit, for short rows and a row split into chunks (> 512 tokens),
@@ -191,44 +243,14 @@ def test_decode_layer_gives_the_layer_codes_bits(ops):
     from kvreplay import LLM, SamplingParams
     from kvreplay.bench.workload import corpus_token_ids
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
-    model = llm.engine.runner.model
-    if not any(model.fused_rows):
-        pytest.skip("no panel kernel on this CPU: decode_layer is never used")
-    assert min(model.fused_rows) >= 1
     corpus = corpus_token_ids(llm.tokenizer)
     prompts = [corpus[:600], corpus[1000:1040], corpus[2000:2003]]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
-    logits, fused_calls = {}, []
-
-    def capture(label):
-        def forward(*args, **kwargs):
-            out = original_forward(*args, **kwargs)
-            logits.setdefault(label, []).append(out.clone())
-            return out
-        return forward
-
-    def counted(*args, **kwargs):
-        fused_calls.append(1)
-        return original_layer(*args, **kwargs)
-
-    tokens = {}
-    try:
-        model.decode_layer = counted
-        for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
-            model.fused_rows = rows
-            model.forward = capture(label)
-            outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
-            tokens[label] = [o.token_ids for o in outs]
-    finally:
-        model.fused_rows = fused_rows
-        del model.forward, model.decode_layer
-    num_layers = model.config.num_layers
-    assert len(fused_calls) == 5 * num_layers  # the 5 decode steps after the prefill, every layer
-    assert tokens["fused"] == tokens["python"]
-    assert len(logits["fused"]) == len(logits["python"]) >= 6  # prompt chunks, then 5 decode steps
-    for a, b in zip(logits["fused"], logits["python"]):
-        assert torch.equal(a, b)
+    runs = _fused_and_python_runs(llm, prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    num_layers = llm.engine.model.config.num_layers
+    # the 5 decode steps after the prefill, every layer
+    assert sum(n for n, _ in runs["fused"]["steps"]) == 5 * num_layers
+    assert len(runs["fused"]["logits"]) >= 6  # prompt chunks, then 5 decode steps
+    _assert_same_bits(runs)
 
 
 def test_decode_layer_rejects_bad_weights(ops):
@@ -269,54 +291,14 @@ def test_decode_layer_leaves_the_need_detectors_layers_to_the_layer_code(ops):
     from kvreplay.bench.workload import corpus_token_ids
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False, policy="replay",
               trim="prefill", resident_ratio=0.2, window_tokens=128, need_layers="20-23")
-    model = llm.engine.runner.model
-    if not any(model.fused_rows):
-        pytest.skip("no panel kernel on this CPU: decode_layer is never used")
     corpus = corpus_token_ids(llm.tokenizer)
     prompts = [corpus[:1200], corpus[3000:4000]]
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
-    logits, per_step, calls, masses = {}, [], [], {}
-
-    def capture(label):
-        def forward(*args, **kwargs):
-            calls.clear()
-            out = original_forward(*args, **kwargs)
-            meta = args[3]
-            decode_only = not meta.prefills and meta.num_decode_tokens == args[0].shape[0]
-            per_step.append((label, len(calls), decode_only and meta.probe is not None))
-            logits.setdefault(label, []).append(out.clone())
-            if meta.decode_mass is not None:
-                masses.setdefault(label, []).append(meta.decode_mass.clone())
-            return out
-        return forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original_layer(*args, **kwargs)
-
-    tokens = {}
-    try:
-        model.decode_layer = counted
-        for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
-            model.fused_rows = rows
-            model.forward = capture(label)
-            outs = llm.generate(prompts, params, on_step=lambda e: e.check_integrity())
-            tokens[label] = [o.token_ids for o in outs]
-    finally:
-        model.fused_rows = fused_rows
-        del model.forward, model.decode_layer
-    num_layers = model.config.num_layers
-    probed = [n for label, n, probe in per_step if label == "fused" and probe]
+    runs = _fused_and_python_runs(llm, prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    num_layers = llm.engine.model.config.num_layers
+    probed = [n for n, probe in runs["fused"]["steps"] if probe]
     assert probed and set(probed) == {num_layers - 4}  # the detector's four layers in Python
-    assert all(n == 0 for label, n, _ in per_step if label == "python")
-    assert tokens["fused"] == tokens["python"]
-    assert len(logits["fused"]) == len(logits["python"])
-    for a, b in zip(logits["fused"], logits["python"]):
-        assert torch.equal(a, b)
-    assert len(masses["fused"]) == len(masses["python"]) >= 4
-    for a, b in zip(masses["fused"], masses["python"]):
-        assert torch.equal(a, b)
+    assert len(runs["fused"]["masses"]) >= 4
+    _assert_same_bits(runs)
 
 
 def test_need_probe_skips_only_the_layers_it_does_not_read():
