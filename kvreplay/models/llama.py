@@ -102,7 +102,8 @@ class LlamaModel:
         # A decode-only step runs each layer as one compiled op (decode_layer: the same ops in
         # the same order, without the Python between them) up to this many rows; 0: never.
         self.decode_attention_op = cpu_kernels.decode_attention() if self.layer_ops is not None else None
-        self.fused_rows = [self._fused_rows(layer) if fused_decode_enabled() else 0 for layer in self.layers]
+        fused = fused_decode_enabled()
+        self.fused_rows = [self._fused_rows(layer) if fused else 0 for layer in self.layers]
 
     def _fused_rows(self, layer: dict) -> int:
         """Most rows layer `layer` takes through decode_layer: every projection must go to the

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 #include "simd.h"
@@ -451,12 +452,18 @@ void amx_rows(const uint16_t* xpad, int64_t r, int64_t M, const uint16_t* w, con
 }
 #endif
 
-at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         bool widen, const char* name) {
+// (N, K) of the weight a pack_panels tensor holds; an error naming `name` for any other tensor
+std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* name) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2 &&
               packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               name, ": weight must come from pack_panels");
-  const int64_t N = packed.size(0) * kLanes, K = packed.size(1) * 2;
+  return {packed.size(0) * kLanes, packed.size(1) * 2};
+}
+
+at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         bool widen, const char* name) {
+  const auto shape = panel_shape(packed, name);  // plain names: lambdas below capture them
+  const int64_t N = shape.first, K = shape.second;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
               name, ": x must be bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
@@ -635,17 +642,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   const int64_t T_ = delta.size(0), H = delta.size(1), D = kv_cache.size(4);
   // the weights' shapes first, so that a wrong one fails before the cache is written
   auto check = [](const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2, "decode_layer: ", name,
-                " must come from pack_panels");
-    const int64_t N = packed.size(0) * kLanes, K = packed.size(1) * 2;
-    TORCH_CHECK((n < 0 || N == n) && K == k, "decode_layer: ", name, " weight is [", N, ", ", K,
+    const auto [N, K] = panel_shape(packed, name);
+    TORCH_CHECK((n < 0 || N == n) && K == k, name, " weight is [", N, ", ", K,
                 "], expected [", n < 0 ? "any" : std::to_string(n), ", ", k, "]");
     return N;
   };
-  check(qkv, (num_q + 2 * num_kv) * D, H, "qkv");
-  check(o, H, num_q * D, "o");
-  const int64_t F = check(gate_up, -1, H, "gate_up") / 2;
-  check(down, H, F, "down");
+  check(qkv, (num_q + 2 * num_kv) * D, H, "decode_layer: qkv");
+  check(o, H, num_q * D, "decode_layer: o");
+  const int64_t F = check(gate_up, -1, H, "decode_layer: gate_up") / 2;
+  check(down, H, F, "decode_layer: down");
   auto [x, hidden] = add_rms_norm(delta, residual, input_norm, eps);
   auto fused = panel_product(x, qkv, qkv_bias, false, "decode_layer: qkv");
   rope_write_cache(fused, cos, sin, num_q, num_kv, kv_cache, slot_mapping);
