@@ -58,7 +58,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
-        self.model = LlamaModel(loaded.config, loaded.weights, config.torch_dtype, config.device)
+        self.model = LlamaModel(loaded.config, loaded.weights, config.torch_dtype, config.device,
+                                loaded.quantized)
         del loaded
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:

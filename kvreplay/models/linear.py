@@ -14,11 +14,18 @@ On CPU in bf16 two layouts of each weight are kept:
   (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
   bf16 rounding step, and a row's result does not depend on the other rows. The price is a
   second copy of the weights in memory (+270 MB for the default model).
+For a GGUF model whose tensor is stored as Q4_1 or Q8_0 blocks (the embedded default: Q4_1
+projections, a Q8_0 embedding that is also the LM head) the panel copy keeps those blocks
+instead (`pack_quant_panels`: 5 and 8.5 bits a weight against 16) and the kernel expands them to
+bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the same bits as the bf16
+panels (tests/test_quant_panels.py), and about a third of the bytes a decode step reads
+(docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +41,37 @@ PANEL_ROWS = 128
 PANEL_ROWS_AMX = 64
 # ...and where oneDNN has the tiles but the panel kernel does not (an older compiler).
 PANEL_ROWS_AMX_ONEDNN_ONLY = 2
+
+
+# GGUF block formats the panel kernel reads as they are (layer_ops.cpp pack_quant_panels)
+QUANT_FORMATS = ("Q4_1", "Q8_0")
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight as a GGUF file stores it: `blocks` [N, K / 32 * block bytes] uint8, one row per
+    output, in `format` (one of QUANT_FORMATS)."""
+    format: str
+    blocks: torch.Tensor
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
+        """The row-wise concatenation (a fused projection's), or None unless every part is
+        quantized in one format."""
+        if not parts or any(p is None for p in parts) or len({p.format for p in parts}) != 1:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return QuantizedWeight(parts[0].format, torch.cat([p.blocks for p in parts]))
+
+
+def quant_panels_enabled() -> bool:
+    """KVREPLAY_QUANT_PANELS=0 gives GGUF block weights bf16 panels like any other weight (for
+    comparisons); 1 or unset: their panels keep the blocks."""
+    value = os.environ.get("KVREPLAY_QUANT_PANELS", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"KVREPLAY_QUANT_PANELS must be 0 or 1, got {value!r}")
+    return value != "0"
 
 
 def machine_panel_rows() -> int:
@@ -75,8 +113,9 @@ class Projection:
     pays."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 panel_rows: int | None = None):
-        """`panel_rows`: most rows for the panel kernel (default: `machine_panel_rows()`)."""
+                 panel_rows: int | None = None, quantized: QuantizedWeight | None = None):
+        """`panel_rows`: most rows for the panel kernel (default: `machine_panel_rows()`).
+        `quantized`: the file's blocks that `weight` was dequantized from, for the panel copy."""
         self.bias = bias
         self.packed = pack and can_pack(weight)
         ops = _panel_ops(weight) if self.packed else None
@@ -86,7 +125,15 @@ class Projection:
             ops = None  # no row count goes to it: skip the panel copy of the weight
         self.panel_linear = None if ops is None else ops.panel_linear
         self.panel_linear_float = None if ops is None else ops.panel_linear_float
-        self.panels = None if ops is None else ops.pack_panels(weight)
+        # the blocks, where given and the kernel reads their format; else bf16
+        self.panel_format = "bf16"
+        self.panels = None
+        if ops is not None:
+            if quantized is not None and quantized.format in QUANT_FORMATS and quant_panels_enabled():
+                self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format)
+                self.panel_format = quantized.format
+            else:
+                self.panels = ops.pack_panels(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
 

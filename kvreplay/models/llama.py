@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import Projection
+from kvreplay.models.linear import Projection, QuantizedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,7 +47,10 @@ def fused_decode_enabled() -> bool:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 quantized: dict[str, QuantizedWeight] | None = None):
+        """`quantized`: the GGUF blocks some of `weights` were dequantized from (the loader's);
+        the decode products read those where they can (linear.py)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -57,11 +60,16 @@ class LlamaModel:
                 raise ValueError(f"checkpoint lacks tensor {name}")
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
+        def blocks(*names: str) -> QuantizedWeight | None:
+            return QuantizedWeight.concat([(quantized or {}).get(name) for name in names])
+
         self.embed_tokens = take("model.embed_tokens.weight")  # [V, hidden]
         self.norm = take("model.norm.weight")
         # A tied head is packed into its own copy: the embedding lookup needs the plain matrix.
-        self.lm_head = Projection(self.embed_tokens if config.tie_word_embeddings
-                                  or "lm_head.weight" not in weights else take("lm_head.weight"))
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings or "lm_head.weight" not in weights \
+            else "lm_head.weight"
+        self.lm_head = Projection(self.embed_tokens if head == "model.embed_tokens.weight" else take(head),
+                                  quantized=blocks(head))
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
@@ -75,11 +83,13 @@ class LlamaModel:
                 "post_norm": take(prefix + "post_attention_layernorm.weight"),
                 # Fused projections: one matmul instead of three (q, k, v) and two (gate, up).
                 "qkv": Projection(torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight"),
-                                             take(attn + "v_proj.weight")]), bias),
-                "o": Projection(take(attn + "o_proj.weight")),
-                "gate_up": Projection(torch.cat([take(mlp + "gate_proj.weight"),
-                                                 take(mlp + "up_proj.weight")])),
-                "down": Projection(take(mlp + "down_proj.weight")),
+                                             take(attn + "v_proj.weight")]), bias,
+                                  quantized=blocks(attn + "q_proj.weight", attn + "k_proj.weight",
+                                                   attn + "v_proj.weight")),
+                "o": Projection(take(attn + "o_proj.weight"), quantized=blocks(attn + "o_proj.weight")),
+                "gate_up": Projection(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                                      quantized=blocks(mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+                "down": Projection(take(mlp + "down_proj.weight"), quantized=blocks(mlp + "down_proj.weight")),
                 "q_norm": None, "k_norm": None,
             }
             if config.qk_norm:

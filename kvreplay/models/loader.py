@@ -10,13 +10,14 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers tokenizer
     source: str
+    # GGUF tensors stored as Q4_1 / Q8_0 blocks, as the file holds them (same names and row order
+    # as `weights`): the decode products can read these instead of a bf16 copy (linear.py)
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -170,19 +174,28 @@ def _load_gguf(path: str) -> LoadedModel:
     config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), names)
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        shape = [int(d) for d in reversed(tensor.shape)]
+        heads = None  # llama.cpp's rotary row order to undo (rows are whole: the blocks follow)
         if permuted and tensor.name.endswith("attn_q.weight"):
-            array = _unpermute_rotary(array, config.num_heads)
+            heads = config.num_heads
         elif permuted and tensor.name.endswith("attn_k.weight"):
-            array = _unpermute_rotary(array, config.num_kv_heads)
+            heads = config.num_kv_heads
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if heads is not None:
+            array = _unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, copy=True))
-    return LoadedModel(config, weights, load_tokenizer(path), path)
+        if tensor.tensor_type.name in QUANT_FORMATS and len(shape) == 2:
+            blocks = np.asarray(tensor.data).reshape(shape[0], -1)
+            if heads is not None:
+                blocks = _unpermute_rotary(blocks, heads)
+            quantized[name] = QuantizedWeight(tensor.tensor_type.name, torch.from_numpy(np.array(blocks, copy=True)))
+    return LoadedModel(config, weights, load_tokenizer(path), path, quantized)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

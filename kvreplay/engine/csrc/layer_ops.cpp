@@ -44,6 +44,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <type_traits>
@@ -303,6 +304,150 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return out;
 }
 
+// ---- quantized panels: a GGUF file's own Q4_1 / Q8_0 weights, expanded to a bf16 panel per use ----
+// The bf16 weights the panels above hold are, for a GGUF model, bf16(dequantize(file blocks)):
+// Q4_1: d * q + m (fp32, rounded after the product and after the sum, as gguf-py computes it),
+// Q8_0: q * d, each then rounded to bf16 (nearest-even). pack_quant_panels keeps the blocks
+// instead (Q4_1: 5 bits a weight, Q8_0: 8.5, against 16), re-laid so that one 16-output tile of
+// one 32-k block is one record:
+//   Q4_1 (320 bytes): 16 rows (pairs j) x 16 bytes, then d[16], m[16] (fp16, per output)
+//   Q8_0 (544 bytes): 16 rows x 32 bytes (int8), then d[16]
+// Row j of a record is one 64-byte row of the bf16 tile: lanes 0-15 are outputs 0-7 (k = 2j,
+// 2j + 1 each), lanes 16-31 outputs 8-15; a Q4_1 byte holds lane i in its low nibble and lane
+// 16 + i in its high one, a Q8_0 row lanes 0-31 in order. A panel's records go block by block,
+// tile by tile (the bf16 panel's order), and panel_product expands each panel into a per-thread
+// buffer (at most 48 x K bf16, cache-resident) with the same arithmetic, then runs the bf16
+// kernels on it: the same bits as the bf16 panels, a third (Q4_1) or half (Q8_0) of the bytes
+// read from memory.
+constexpr int64_t kQuantBlock = 32, kQ4_1Record = 320, kQ8_0Record = 544;
+constexpr int64_t kPrefetchBlocks = 4;
+
+int64_t quant_record(const std::string& format) {
+  if (format == "Q4_1") return kQ4_1Record;
+  if (format == "Q8_0") return kQ8_0Record;
+  TORCH_CHECK(false, "pack_quant_panels: format must be Q4_1 or Q8_0, got ", format);
+  return 0;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// blocks: [N, K / 32 * block bytes] uint8, a GGUF tensor's rows (Q4_1: d, m fp16, 16 bytes of
+// nibbles, weight i < 16 in byte i's low nibble, weight 16 + i in its high one; Q8_0: d fp16,
+// 32 int8). Out: [N / 16, K / 32, record] uint8, the records in the order above.
+at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format) {
+  const int64_t record = quant_record(format), block_bytes = record == kQ4_1Record ? 20 : 34;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && K > 0 && K % kQuantBlock == 0 &&
+              blocks.size(0) > 0 && blocks.size(0) % kLanes == 0 && blocks.size(1) == K / kQuantBlock * block_bytes,
+              "pack_quant_panels: ", format, " blocks [N, ", K / kQuantBlock * block_bytes,
+              "] uint8 with N a multiple of 16 expected for K = ", K, ", got ", blocks.scalar_type(), " ",
+              blocks.sizes());
+  const int64_t N = blocks.size(0), tiles = N / kLanes, kblocks = K / kQuantBlock, row_bytes = blocks.size(1);
+  auto src_t = blocks.contiguous();
+  const uint8_t* src = src_t.data_ptr<uint8_t>();
+  auto out = at::empty({tiles, kblocks, record}, blocks.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const bool q4 = record == kQ4_1Record;
+  // weight (n, k) of a source block: its quantized value
+  auto q4_value = [&](int64_t n, int64_t k) -> uint8_t {
+    const uint8_t* b = src + n * row_bytes + (k / kQuantBlock) * 20 + 4;
+    const int64_t i = k % kQuantBlock;
+    return i < 16 ? b[i] & 0x0F : b[i - 16] >> 4;
+  };
+  at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t t0 = p * kPanelTiles, width = std::min(kPanelTiles, tiles - t0);
+      uint8_t* panel = dst + t0 * kblocks * record;
+      for (int64_t kb = 0; kb < kblocks; ++kb)
+        for (int64_t t = 0; t < width; ++t) {
+          uint8_t* rec = panel + (kb * width + t) * record;
+          const int64_t n0 = (t0 + t) * kLanes;
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t i = 0; i < 32; ++i) {
+              const int64_t n = n0 + i / 2, k = kb * kQuantBlock + 2 * j + i % 2;  // lane i's weight
+              if (q4) {
+                if (i < 16) rec[j * 16 + i] = q4_value(n, k) | static_cast<uint8_t>(q4_value(n + 8, k) << 4);
+              } else {
+                rec[j * 32 + i] = src[n * row_bytes + (k / kQuantBlock) * 34 + 2 + k % kQuantBlock];
+              }
+            }
+          uint8_t* scales = rec + (q4 ? 256 : 512);
+          for (int64_t o = 0; o < kLanes; ++o) {
+            const uint8_t* b = src + (n0 + o) * row_bytes + kb * block_bytes;
+            std::memcpy(scales + 2 * o, b, 2);                      // d
+            if (q4) std::memcpy(scales + 32 + 2 * o, b + 2, 2);     // m
+          }
+        }
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512BF16__)
+// One record's 16 rows of 32 bf16 into dst, row j at dst + j * stride. Q4_1: d * q + m by one
+// FMA, which is the same number as the product rounded and then the sum (d has 11 significant
+// bits and q 4, so d * q is exact in fp32); q's value comes from a 16-entry table indexed by
+// the nibble (vpermps reads an index's low 4 bits). Q8_0: q * d, exact in fp32 too.
+inline void expand_record(const uint8_t* rec, bool q4, uint16_t* dst, int64_t stride) {
+  const __m512i lo_pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_pairs = _mm512_add_epi32(lo_pairs, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + (q4 ? 256 : 512))));
+  const __m512 da = _mm512_permutexvar_ps(lo_pairs, d), db = _mm512_permutexvar_ps(hi_pairs, d);
+  if (q4) {
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    const __m512 ma = _mm512_permutexvar_ps(lo_pairs, m), mb = _mm512_permutexvar_ps(hi_pairs, m);
+    for (int64_t j = 0; j < 16; ++j) {
+      const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 16)));
+      const __m512 a = _mm512_fmadd_ps(da, _mm512_permutexvar_ps(raw, values), ma);
+      const __m512 b = _mm512_fmadd_ps(db, _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), values), mb);
+      _mm512_storeu_si512(dst + j * stride, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  } else {
+    for (int64_t j = 0; j < 16; ++j) {
+      const __m128i* row = reinterpret_cast<const __m128i*>(rec + j * 32);
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), da);
+      const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), db);
+      _mm512_storeu_si512(dst + j * stride, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+// One panel of `width` tiles (records at q) expanded into the bf16 panel layout at out.
+void expand_quant_panel(const uint8_t* q, int64_t record, int64_t width, int64_t K, uint16_t* out) {
+  for (int64_t kb = 0; kb < K / kQuantBlock; ++kb)
+    for (int64_t t = 0; t < width; ++t)
+      expand_record(q + (kb * width + t) * record, record == kQ4_1Record, out + (kb * 16 * width + t) * 32,
+                    width * 32);
+}
+#endif
+
+// The bf16 panels (pack_panels' layout) that quantized panels expand to (tests, checks at load).
+at::Tensor expand_quant_panels(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record),
+              "expand_quant_panels: a pack_quant_panels tensor expected");
+  const int64_t tiles = packed.size(0), K = packed.size(1) * kQuantBlock, record = packed.size(2);
+  auto out = at::empty({tiles, K / 2, kLanes, 2}, packed.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t t0 = p * kPanelTiles;
+      expand_quant_panel(q + t0 * (K / kQuantBlock) * record, record, std::min(kPanelTiles, tiles - t0), K,
+                         o + t0 * kLanes * K);
+    }
+  });
+#else
+  TORCH_CHECK(false, "expand_quant_panels: this build has no AVX512-BF16 (check has_panel_linear first)");
+#endif
+  return out;
+}
+
 #if defined(__AVX512BF16__)
 // Stores 16 sums rounded to bf16: as bf16 (OutT = uint16_t) or widened back to fp32 (float).
 inline void store_rounded(uint16_t* out, __m512 v) {
@@ -387,9 +532,21 @@ bool amx_permitted() {
   return ok;
 }
 
+// The panel's weights: bf16 at w, or (q not null) quantized records, each 32-k block expanded
+// into a small buffer just before its tiles load (it stays in L1).
 template <int T, bool Two, typename OutT>
 void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t rows_b, const uint16_t* w,
-               const uint16_t* bias, OutT* out_a, OutT* out_b, int64_t N, int64_t K) {
+               const uint8_t* q, int64_t record, const uint16_t* bias, OutT* out_a, OutT* out_b, int64_t N,
+               int64_t K) {
+  // two buffers: block k + 1 expands on the vector units while block k's products run on the tiles
+  constexpr int64_t kExpanded = 16 * T * 2 * kLanes;
+  alignas(64) uint16_t expanded[2][kExpanded];
+  auto expand = [&](int64_t k0) {
+    for (int t = 0; t < T; ++t)
+      expand_record(q + ((k0 / kQuantBlock) * T + t) * record, record == kQ4_1Record,
+                    expanded[(k0 / kQuantBlock) & 1] + t * 2 * kLanes, T * 2 * kLanes);
+  };
+  if (q) expand(0);
   _tile_zero(0);
   if (T > 1) _tile_zero(1);
   if (T > 2) _tile_zero(2);
@@ -400,7 +557,7 @@ void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t r
   }
   const int64_t x_stride = K * 2, w_stride = T * 64;
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
-    const uint16_t* wk = w + (k0 / 2) * T * 2 * kLanes;
+    const uint16_t* wk = q ? expanded[(k0 / kQuantBlock) & 1] : w + (k0 / 2) * T * 2 * kLanes;
     _tile_loadd(6, xa + k0, x_stride);
     _tile_loadd(7, wk, w_stride);
     _tile_dpbf16ps(0, 6, 7);
@@ -412,6 +569,13 @@ void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t r
       _tile_dpbf16ps(3, 6, 7);
       if (T > 1) { _tile_loadd(7, wk + 2 * kLanes, w_stride); _tile_dpbf16ps(4, 6, 7); }
       if (T > 2) { _tile_loadd(7, wk + 4 * kLanes, w_stride); _tile_dpbf16ps(5, 6, 7); }
+    }
+    if (q && k0 + 32 < K) {
+      // the records kPrefetchBlocks blocks ahead (past a panel's end: the next panel's, which
+      // this thread reads next; a prefetch never faults): without it the stream stalls (~20%)
+      const char* ahead = reinterpret_cast<const char*>(q) + ((k0 / kQuantBlock) + kPrefetchBlocks) * T * record;
+      for (int64_t b = 0; b < T * record; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      expand(k0 + 32);
     }
   }
   alignas(64) float sums[Two ? 2 : 1][T][16 * kLanes];
@@ -436,27 +600,33 @@ void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t r
 }
 
 template <int T, typename OutT>
-void amx_rows(const uint16_t* xpad, int64_t r, int64_t M, const uint16_t* w, const uint16_t* bias, OutT* out,
-              int64_t N, int64_t K) {
+void amx_rows(const uint16_t* xpad, int64_t r, int64_t M, const uint16_t* w, const uint8_t* q, int64_t record,
+              const uint16_t* bias, OutT* out, int64_t N, int64_t K) {
   const int64_t blocks = (M + r - 1) / r;
   for (int64_t b = 0; b < blocks; b += 2) {
     const int64_t m0 = b * r, rows_a = std::min(r, M - m0);
     if (b + 1 < blocks) {
       const int64_t rows_b = std::min(r, M - m0 - r);
-      amx_panel<T, true>(xpad + m0 * K, xpad + (m0 + r) * K, rows_a, rows_b, w, bias, out + m0 * N,
+      amx_panel<T, true>(xpad + m0 * K, xpad + (m0 + r) * K, rows_a, rows_b, w, q, record, bias, out + m0 * N,
                          out + (m0 + r) * N, N, K);
     } else {
-      amx_panel<T, false>(xpad + m0 * K, xpad, rows_a, int64_t{0}, w, bias, out + m0 * N, out, N, K);
+      amx_panel<T, false>(xpad + m0 * K, xpad, rows_a, int64_t{0}, w, q, record, bias, out + m0 * N, out, N, K);
     }
   }
 }
 #endif
 
-// (N, K) of the weight a pack_panels tensor holds; an error naming `name` for any other tensor
+// (N, K) of the weight a pack_panels tensor
+// or pack_quant_panels tensor holds; an error naming `name` for any other tensor
 std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* name) {
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record) &&
+                packed.is_contiguous(), name, ": weight must come from pack_panels or pack_quant_panels");
+    return {packed.size(0) * kLanes, packed.size(1) * kQuantBlock};
+  }
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2 &&
               packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              name, ": weight must come from pack_panels");
+              name, ": weight must come from pack_panels or pack_quant_panels");
   return {packed.size(0) * kLanes, packed.size(1) * 2};
 }
 
@@ -477,9 +647,19 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
   const int64_t tiles = N / kLanes;
+  // panel p's bf16 weights: in place, or expanded from quantized records into `buffer`
+  const bool quant = packed.scalar_type() == at::kByte;
+  const int64_t record = quant ? packed.size(2) : 0, buffer_size = quant ? kPanelTiles * kLanes * K : 0;
+  const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
+  auto panel_weights = [=](int64_t p, uint16_t* buffer) -> const uint16_t* {
+    const int64_t t0 = p * kPanelTiles;
+    if (!quant) return wp + t0 * kLanes * K;
+    expand_quant_panel(qp + t0 * (K / kQuantBlock) * record, record, std::min(kPanelTiles, tiles - t0), K, buffer);
+    return buffer;
+  };
 #if defined(KVREPLAY_AMX)
   if (K % 32 == 0 && amx_permitted()) {
     // blocks of r <= 16 rows, all of r rows: x copied into a buffer padded with zero rows
@@ -497,12 +677,13 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
         _tile_loadconfig(&config);
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kPanelTiles * kLanes;
-          const uint16_t* w = wp + n0 * K;
+          const uint16_t* w = quant ? nullptr : wp + n0 * K;
+          const uint8_t* q = quant ? qp + p * kPanelTiles * (K / kQuantBlock) * record : nullptr;
           const uint16_t* b = bp ? bp + n0 : nullptr;
           switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
-            case 1: amx_rows<1>(xpad, r, M, w, b, op + n0, N, K); break;
-            case 2: amx_rows<2>(xpad, r, M, w, b, op + n0, N, K); break;
-            default: amx_rows<kPanelTiles>(xpad, r, M, w, b, op + n0, N, K); break;
+            case 1: amx_rows<1>(xpad, r, M, w, q, record, b, op + n0, N, K); break;
+            case 2: amx_rows<2>(xpad, r, M, w, q, record, b, op + n0, N, K); break;
+            default: amx_rows<kPanelTiles>(xpad, r, M, w, q, record, b, op + n0, N, K); break;
           }
         }
         _tile_release();
@@ -517,9 +698,10 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
 #endif
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint16_t> buffer(buffer_size);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes;
-        const uint16_t* w = wp + n0 * K;
+        const uint16_t* w = panel_weights(p, buffer.data());
         const uint16_t* b = bp ? bp + n0 : nullptr;
         switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
           case 1: panel_rows<1>(xp, w, b, op + n0, M, N, K); break;
@@ -693,6 +875,10 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.def("has_panel_linear() -> bool", &has_panel_linear);
   m.def("has_amx_panels() -> bool", &has_amx_panels);
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
+  m.def("pack_quant_panels(Tensor blocks, int K, str format) -> Tensor");
+  m.impl("pack_quant_panels", c10::DispatchKey::CPU, &pack_quant_panels);
+  m.def("expand_quant_panels(Tensor packed) -> Tensor");
+  m.impl("expand_quant_panels", c10::DispatchKey::CPU, &expand_quant_panels);
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.impl("panel_linear_float", c10::DispatchKey::CPU, &panel_linear_float);
   m.def("argmax_rows(Tensor x) -> Tensor");
