@@ -76,6 +76,35 @@ def test_products_are_the_bf16_panels_products(ops, fmt, rows):
     assert torch.equal(ops.panel_linear(x[:1], quant, None), ops.panel_linear(x, quant, None)[:1])
 
 
+def test_vector_kernel_reads_blocks_too(ops, tmp_path):
+    """KVREPLAY_AMX_PANELS=0 (read once per process, hence a subprocess) sends every row count
+    to the AVX512-BF16 vector kernel, which expands a whole panel at a time: the same bits as its
+    bf16 panels there too. (On a CPU without AMX the tests above run this path already.)"""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "vector.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_quant_panels import _blocks, _bf16_weight\n"
+        "from kvreplay.engine import cpu_kernels\n"
+        "ops = cpu_kernels.layer_ops()\n"
+        "assert not ops.has_amx_panels()\n"
+        "for fmt in ('Q4_1', 'Q8_0'):\n"
+        "    raw = _blocks(fmt, 112, 192, seed=5)\n"
+        "    quant = ops.pack_quant_panels(torch.from_numpy(raw), 192, fmt)\n"
+        "    plain = ops.pack_panels(_bf16_weight(fmt, raw))\n"
+        "    for rows in (1, 9, 32, 100):\n"
+        "        x = torch.randn(rows, 192).bfloat16()\n"
+        "        assert torch.equal(ops.panel_linear(x, quant, None), ops.panel_linear(x, plain, None)), (fmt, rows)\n"
+        "print('vector kernel ok')\n")
+    env = {**os.environ, "KVREPLAY_AMX_PANELS": "0"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "vector kernel ok" in result.stdout
+
+
 def test_bad_blocks_are_clear_errors(ops):
     raw = torch.from_numpy(_blocks("Q4_1", 32, 64))
     with pytest.raises(RuntimeError, match="format must be Q4_1 or Q8_0"):

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -526,9 +527,13 @@ struct alignas(64) TileConfig {
 };
 
 // Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); false when the kernel refuses (then the vector kernel runs).
+// XFEATURE_XTILEDATA); false when the kernel refuses (then the vector kernel runs), or when
+// KVREPLAY_AMX_PANELS=0 was set before the first call (tests of the vector kernel on such a CPU).
 bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  static const bool ok = [] {
+    const char* env = std::getenv("KVREPLAY_AMX_PANELS");
+    return !(env && std::string(env) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
   return ok;
 }
 
