@@ -1,4 +1,4 @@
-"""Quantized panels: the decode products read a GGUF file's Q4_1 / Q8_0 blocks and expand them to
+"""Quantized panels: the decode products read a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and expand them to
 the very bf16 weights the bf16 panels hold (kvreplay/engine/csrc/layer_ops.cpp
 pack_quant_panels), so every product is bit-identical to the bf16 panels'."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from kernel_helpers import built_or_skip
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import Projection, QuantizedWeight
 
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+RECORD_BYTES = {"Q4_0": 320, "Q4_1": 320, "Q8_0": 544}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,10 @@ def _blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         quants = rng.integers(0, 256, (count, 16), dtype=np.uint8)
         raw = np.concatenate([scale.view(np.uint8).reshape(count, 2), offset.view(np.uint8).reshape(count, 2),
                               quants], axis=1)
+    elif fmt == "Q4_0":
+        scale[3::61] = np.float16(4000.0)  # -8 d still within fp16
+        quants = rng.integers(0, 256, (count, 16), dtype=np.uint8)
+        raw = np.concatenate([scale.view(np.uint8).reshape(count, 2), quants], axis=1)
     else:
         quants = rng.integers(-128, 128, (count, 32), dtype=np.int8).view(np.uint8)
         raw = np.concatenate([scale.view(np.uint8).reshape(count, 2), quants], axis=1)
@@ -50,17 +55,17 @@ def _bf16_weight(fmt: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(values.reshape(raw.shape[0], -1))).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (80, 576), (1536, 576), (576, 1536)])
 def test_blocks_expand_to_the_loaders_bf16_weights(ops, fmt, n, k):
     """Panels of 1-3 tiles (n 16, 80 = 3 + 2 tiles), one or many blocks along k."""
     raw = _blocks(fmt, n, k, seed=n + k)
     packed = ops.pack_quant_panels(torch.from_numpy(raw), k, fmt)
-    assert packed.dtype == torch.uint8 and packed.numel() == n * k // 32 * (320 if fmt == "Q4_1" else 544) // 16
+    assert packed.dtype == torch.uint8 and packed.numel() == n * k // 32 * RECORD_BYTES[fmt] // 16
     assert torch.equal(ops.expand_quant_panels(packed), ops.pack_panels(_bf16_weight(fmt, raw)))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64])
 def test_products_are_the_bf16_panels_products(ops, fmt, rows):
     n, k = 112, 192  # 7 tiles: panels of 3, 3 and 1
@@ -91,7 +96,7 @@ def test_vector_kernel_reads_blocks_too(ops, tmp_path):
         "from kvreplay.engine import cpu_kernels\n"
         "ops = cpu_kernels.layer_ops()\n"
         "assert not ops.has_amx_panels()\n"
-        "for fmt in ('Q4_1', 'Q8_0'):\n"
+        "for fmt in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    raw = _blocks(fmt, 112, 192, seed=5)\n"
         "    quant = ops.pack_quant_panels(torch.from_numpy(raw), 192, fmt)\n"
         "    plain = ops.pack_panels(_bf16_weight(fmt, raw))\n"
@@ -107,8 +112,8 @@ def test_vector_kernel_reads_blocks_too(ops, tmp_path):
 
 def test_bad_blocks_are_clear_errors(ops):
     raw = torch.from_numpy(_blocks("Q4_1", 32, 64))
-    with pytest.raises(RuntimeError, match="format must be Q4_1 or Q8_0"):
-        ops.pack_quant_panels(raw, 64, "Q4_0")
+    with pytest.raises(RuntimeError, match="format must be Q4_0, Q4_1 or Q8_0"):
+        ops.pack_quant_panels(raw, 64, "Q5_0")
     with pytest.raises(RuntimeError, match="pack_quant_panels: Q4_1 blocks"):
         ops.pack_quant_panels(raw, 96, "Q4_1")  # rows too short for K
     with pytest.raises(RuntimeError, match="pack_quant_panels: Q8_0 blocks"):
@@ -142,6 +147,21 @@ def test_projection_keeps_the_blocks_where_it_can(ops, monkeypatch):
     monkeypatch.setenv("KVREPLAY_QUANT_PANELS", "yes")
     with pytest.raises(ValueError, match="KVREPLAY_QUANT_PANELS must be 0 or 1"):
         Projection(weight, quantized=blocks)
+
+
+def test_q4_0_scale_too_large_for_the_panel_form(ops, caplog):
+    """Q4_0 becomes d * q - 8 d: with |d| >= 8192 that offset overflows fp16, so such blocks are
+    refused by the op and the Projection keeps bf16 panels (same products)."""
+    raw = _blocks("Q4_0", 16, 32)
+    raw[5, :2] = np.frombuffer(np.float16(9000.0).tobytes(), dtype=np.uint8)
+    with pytest.raises(RuntimeError, match="too large for the panel form"):
+        ops.pack_quant_panels(torch.from_numpy(raw), 32, "Q4_0")
+    weight = _bf16_weight("Q4_0", raw)
+    proj = Projection(weight, quantized=QuantizedWeight("Q4_0", torch.from_numpy(raw)))
+    if proj.panels is not None:
+        assert proj.panel_format == "bf16" and "kept as bf16 panels" in caplog.text
+        x = torch.randn(3, 32).bfloat16()
+        assert torch.equal(proj(x), Projection(weight)(x))
 
 
 def test_concat_needs_one_format():

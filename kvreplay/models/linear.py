@@ -14,9 +14,10 @@ On CPU in bf16 two layouts of each weight are kept:
   (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
   bf16 rounding step, and a row's result does not depend on the other rows. The price is a
   second copy of the weights in memory (+270 MB for the default model).
-For a GGUF model whose tensor is stored as Q4_1 or Q8_0 blocks (the embedded default: Q4_1
+For a GGUF model whose tensor is stored as Q4_0, Q4_1 or Q8_0 blocks (the embedded default: Q4_1
 projections, a Q8_0 embedding that is also the LM head) the panel copy keeps those blocks
-instead (`pack_quant_panels`: 5 and 8.5 bits a weight against 16) and the kernel expands them to
+instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, against 16) and the
+kernel expands them to
 bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the same bits as the bf16
 panels (tests/test_quant_panels.py), and about a third of the bytes a decode step reads
 (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
@@ -24,6 +25,7 @@ Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -31,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from kvreplay.engine import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 # oneDNN chooses its blocked layout for a typical row count; any row count works with it.
 PACK_BATCH_HINT = 32
@@ -44,7 +48,7 @@ PANEL_ROWS_AMX_ONEDNN_ONLY = 2
 
 
 # GGUF block formats the panel kernel reads as they are (layer_ops.cpp pack_quant_panels)
-QUANT_FORMATS = ("Q4_1", "Q8_0")
+QUANT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass
@@ -130,9 +134,12 @@ class Projection:
         self.panels = None
         if ops is not None:
             if quantized is not None and quantized.format in QUANT_FORMATS and quant_panels_enabled():
-                self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format)
-                self.panel_format = quantized.format
-            else:
+                try:
+                    self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format)
+                    self.panel_format = quantized.format
+                except RuntimeError as exc:  # a Q4_0 scale past fp16's reach: the bf16 copy serves
+                    log.warning("%s blocks kept as bf16 panels: %s", quantized.format, str(exc).splitlines()[0])
+            if self.panels is None:
                 self.panels = ops.pack_panels(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight

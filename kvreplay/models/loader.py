@@ -53,7 +53,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: object  # a transformers tokenizer
     source: str
-    # GGUF tensors stored as Q4_1 / Q8_0 blocks, as the file holds them (same names and row order
+    # GGUF tensors stored as Q4_0 / Q4_1 / Q8_0 blocks, as the file holds them (same names and row order
     # as `weights`): the decode products can read these instead of a bf16 copy (linear.py)
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 

@@ -305,7 +305,7 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return out;
 }
 
-// ---- quantized panels: a GGUF file's own Q4_1 / Q8_0 weights, expanded to a bf16 panel per use ----
+// ---- quantized panels: a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights, expanded to bf16 per use ----
 // The bf16 weights the panels above hold are, for a GGUF model, bf16(dequantize(file blocks)):
 // Q4_1: d * q + m (fp32, rounded after the product and after the sum, as gguf-py computes it),
 // Q8_0: q * d, each then rounded to bf16 (nearest-even). pack_quant_panels keeps the blocks
@@ -324,9 +324,9 @@ constexpr int64_t kQuantBlock = 32, kQ4_1Record = 320, kQ8_0Record = 544;
 constexpr int64_t kPrefetchBlocks = 4;
 
 int64_t quant_record(const std::string& format) {
-  if (format == "Q4_1") return kQ4_1Record;
+  if (format == "Q4_0" || format == "Q4_1") return kQ4_1Record;
   if (format == "Q8_0") return kQ8_0Record;
-  TORCH_CHECK(false, "pack_quant_panels: format must be Q4_1 or Q8_0, got ", format);
+  TORCH_CHECK(false, "pack_quant_panels: format must be Q4_0, Q4_1 or Q8_0, got ", format);
   return 0;
 }
 
@@ -340,7 +340,12 @@ inline float half_to_float(const uint8_t* p) {
 // nibbles, weight i < 16 in byte i's low nibble, weight 16 + i in its high one; Q8_0: d fp16,
 // 32 int8). Out: [N / 16, K / 32, record] uint8, the records in the order above.
 at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format) {
-  const int64_t record = quant_record(format), block_bytes = record == kQ4_1Record ? 20 : 34;
+  // Q4_0 (d fp16, 16 bytes of nibbles; gguf-py: d * (q - 8)) goes into Q4_1 records with
+  // m = -8 d: d * q + m is then exactly d * (q - 8) (both exact in fp32), and -8 d is exact in
+  // fp16 unless it overflows (|d| >= 8192, refused below)
+  const bool q4_0 = format == "Q4_0";
+  const int64_t record = quant_record(format), block_bytes = q4_0 ? 18 : record == kQ4_1Record ? 20 : 34;
+  const int64_t nibbles_at = q4_0 ? 2 : 4;
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && K > 0 && K % kQuantBlock == 0 &&
               blocks.size(0) > 0 && blocks.size(0) % kLanes == 0 && blocks.size(1) == K / kQuantBlock * block_bytes,
               "pack_quant_panels: ", format, " blocks [N, ", K / kQuantBlock * block_bytes,
@@ -354,7 +359,7 @@ at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::str
   const bool q4 = record == kQ4_1Record;
   // weight (n, k) of a source block: its quantized value
   auto q4_value = [&](int64_t n, int64_t k) -> uint8_t {
-    const uint8_t* b = src + n * row_bytes + (k / kQuantBlock) * 20 + 4;
+    const uint8_t* b = src + n * row_bytes + (k / kQuantBlock) * block_bytes + nibbles_at;
     const int64_t i = k % kQuantBlock;
     return i < 16 ? b[i] & 0x0F : b[i - 16] >> 4;
   };
@@ -378,8 +383,16 @@ at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::str
           uint8_t* scales = rec + (q4 ? 256 : 512);
           for (int64_t o = 0; o < kLanes; ++o) {
             const uint8_t* b = src + (n0 + o) * row_bytes + kb * block_bytes;
-            std::memcpy(scales + 2 * o, b, 2);                      // d
-            if (q4) std::memcpy(scales + 32 + 2 * o, b + 2, 2);     // m
+            std::memcpy(scales + 2 * o, b, 2);  // d
+            if (q4_0) {
+              const float m = -8.f * half_to_float(b);
+              const c10::Half h(m);
+              TORCH_CHECK((std::isfinite(m) && static_cast<float>(h) == m) || std::isnan(m), "pack_quant_panels: a Q4_0 "
+                          "scale of ", -m / 8, " is too large for the panel form (|d| < 8192 needed)");
+              std::memcpy(scales + 32 + 2 * o, &h.x, 2);
+            } else if (q4) {
+              std::memcpy(scales + 32 + 2 * o, b + 2, 2);  // m
+            }
           }
         }
     }
