@@ -13,14 +13,13 @@ On CPU in bf16 two layouts of each weight are kept:
   ~14.5 at 32, ~21.7 at 64, against oneDNN's ~14.5, ~17.5 and ~22.3; oneDNN wins from ~96 rows
   (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
   bf16 rounding step, and a row's result does not depend on the other rows. The price is a
-  second copy of the weights in memory (+270 MB for the default model).
+  second copy of the weights in memory (+270 MB for the default model in bf16, +96 MB as blocks).
 For a GGUF model whose tensor is stored as Q4_0, Q4_1 or Q8_0 blocks (the embedded default: Q4_1
 projections, a Q8_0 embedding that is also the LM head) the panel copy keeps those blocks
 instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, against 16) and the
-kernel expands them to
-bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the same bits as the bf16
-panels (tests/test_quant_panels.py), and about a third of the bytes a decode step reads
-(docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
+kernel expands them to bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the
+same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of the bytes a
+decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations

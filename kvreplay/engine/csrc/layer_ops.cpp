@@ -23,6 +23,11 @@
 //       (oneDNN: ~15 ms) and ~23 ms at batch 32 (oneDNN: ~28 ms). On a CPU with AMX tiles
 //       (K a multiple of 32) the same panels go through the tiles instead: ~10.5 ms from 2 to
 //       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms).
+//   pack_quant_panels(blocks, K, format) / expand_quant_panels(packed)
+//       The panel copy of a GGUF tensor kept as its Q4_0 / Q4_1 / Q8_0 blocks (a third or half
+//       of the bf16 panels' bytes); panel_linear and decode_layer take it like a bf16 panel and
+//       expand it as they go, to the same bf16 weights (layout and arithmetic below).
+//       expand_quant_panels gives the bf16 panels it stands for (tests, benches).
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
@@ -308,18 +313,19 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // ---- quantized panels: a GGUF file's own Q4_0 / Q4_1 / Q8_0 weights, expanded to bf16 per use ----
 // The bf16 weights the panels above hold are, for a GGUF model, bf16(dequantize(file blocks)):
 // Q4_1: d * q + m (fp32, rounded after the product and after the sum, as gguf-py computes it),
-// Q8_0: q * d, each then rounded to bf16 (nearest-even). pack_quant_panels keeps the blocks
-// instead (Q4_1: 5 bits a weight, Q8_0: 8.5, against 16), re-laid so that one 16-output tile of
-// one 32-k block is one record:
-//   Q4_1 (320 bytes): 16 rows (pairs j) x 16 bytes, then d[16], m[16] (fp16, per output)
+// Q4_0: d * (q - 8), Q8_0: q * d, each then rounded to bf16 (nearest-even). pack_quant_panels
+// keeps the blocks instead (5 bits a weight for Q4_x, 8.5 for Q8_0, against 16), re-laid so that
+// one 16-output tile of one 32-k block is one record:
+//   Q4_0 / Q4_1 (320 bytes): 16 rows (pairs j) x 16 bytes, then d[16], m[16] (fp16, per output;
+//                            Q4_0: m = -8 d)
 //   Q8_0 (544 bytes): 16 rows x 32 bytes (int8), then d[16]
 // Row j of a record is one 64-byte row of the bf16 tile: lanes 0-15 are outputs 0-7 (k = 2j,
-// 2j + 1 each), lanes 16-31 outputs 8-15; a Q4_1 byte holds lane i in its low nibble and lane
+// 2j + 1 each), lanes 16-31 outputs 8-15; a Q4 byte holds lane i in its low nibble and lane
 // 16 + i in its high one, a Q8_0 row lanes 0-31 in order. A panel's records go block by block,
-// tile by tile (the bf16 panel's order), and panel_product expands each panel into a per-thread
-// buffer (at most 48 x K bf16, cache-resident) with the same arithmetic, then runs the bf16
-// kernels on it: the same bits as the bf16 panels, a third (Q4_1) or half (Q8_0) of the bytes
-// read from memory.
+// tile by tile (the bf16 panel's order). On AMX tiles panel_product expands one block of a
+// panel at a time into an L1 buffer just before its tiles load (amx_panel); the vector kernel
+// expands a whole panel into a per-thread buffer (48 x K bf16, cache-resident). Same arithmetic,
+// so the same bits as the bf16 panels, with a third (Q4) or half (Q8_0) of the bytes to read.
 constexpr int64_t kQuantBlock = 32, kQ4_1Record = 320, kQ8_0Record = 544;
 constexpr int64_t kPrefetchBlocks = 4;
 
@@ -377,7 +383,7 @@ at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::str
               if (q4) {
                 if (i < 16) rec[j * 16 + i] = q4_value(n, k) | static_cast<uint8_t>(q4_value(n + 8, k) << 4);
               } else {
-                rec[j * 32 + i] = src[n * row_bytes + (k / kQuantBlock) * 34 + 2 + k % kQuantBlock];
+                rec[j * 32 + i] = src[n * row_bytes + (k / kQuantBlock) * block_bytes + 2 + k % kQuantBlock];
               }
             }
           uint8_t* scales = rec + (q4 ? 256 : 512);
@@ -634,8 +640,8 @@ void amx_rows(const uint16_t* xpad, int64_t r, int64_t M, const uint16_t* w, con
 }
 #endif
 
-// (N, K) of the weight a pack_panels tensor
-// or pack_quant_panels tensor holds; an error naming `name` for any other tensor
+// (N, K) of the weight a pack_panels or pack_quant_panels tensor holds; an error naming `name`
+// for any other tensor
 std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* name) {
   if (packed.scalar_type() == at::kByte) {
     TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record) &&
