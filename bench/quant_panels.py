@@ -14,73 +14,36 @@ Prints the medians, their ratio and the bytes of each form.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_throughput import _prompts, run_kvreplay  # noqa: E402
+from alternating import bf16_engine, compare, parse_args  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    if args.rounds < 1 or args.decode_tokens < 1:
-        parser.error("--rounds and --decode-tokens must be at least 1")
-    torch.set_num_threads(args.threads)
-    from kvreplay import LLM
+    args = parse_args(__doc__.split("\n\n")[0], argv)
     from kvreplay.engine import cpu_kernels
-    llm = LLM(dtype="bfloat16", kv_cache_memory="512MiB", max_num_batched_tokens=2048,
-              enable_prefix_caching=False)
+    llm = bf16_engine()
     model = llm.engine.runner.model
     projections = [model.lm_head] + [layer[name] for layer in model.layers
                                      for name in ("qkv", "o", "gate_up", "down")]
     if any(p.panel_format == "bf16" for p in projections):
         print("not every projection has quantized panels here (no panel kernel, a model without "
-              "Q4_1/Q8_0 blocks, or KVREPLAY_QUANT_PANELS=0)")
+              "Q4_0/Q4_1/Q8_0 blocks, or KVREPLAY_QUANT_PANELS=0)")
         return 1
     ops = cpu_kernels.layer_ops()
-    panels = {"quant": [p.panels for p in projections],
-              "bf16": [ops.expand_quant_panels(p.panels) for p in projections]}
+    panels = {"blocks": [p.panels for p in projections],
+              "bf16 panels": [ops.expand_quant_panels(p.panels) for p in projections]}
     for form, tensors in panels.items():
-        print(f"{form} panels: {sum(t.numel() * t.element_size() for t in tensors) / 1e6:.1f} MB")
+        print(f"{form}: {sum(t.numel() * t.element_size() for t in tensors) / 1e6:.1f} MB")
 
-    def use(form: str) -> None:
-        for projection, tensor in zip(projections, panels[form]):
-            projection.panels = tensor
-
-    print("| batch | quantized panels decode tok/s | bf16 panels decode tok/s | ratio |")
-    print("|---|---|---|---|")
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompts = _prompts(llm.tokenizer, batch, args.prompt_tokens)
-        run_kvreplay(llm, prompts, 2)  # warm-up
-        rates = {"quant": [], "bf16": []}
-        tokens = {}
-        for _ in range(args.rounds):
-            for form in rates:
-                use(form)
-                rates[form].append(run_kvreplay(llm, prompts, args.decode_tokens)[1])
-                tokens[form] = [o.token_ids for o in llm.generate(prompts[:2], _greedy(8))]
-        use("quant")
-        if tokens["quant"] != tokens["bf16"]:
-            print(f"batch {batch}: the two forms gave different greedy tokens", file=sys.stderr)
-            return 1
-        a, b = statistics.median(rates["quant"]), statistics.median(rates["bf16"])
-        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
-    return 0
-
-
-def _greedy(max_tokens: int):
-    from kvreplay import SamplingParams
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    def use(form: str):
+        def apply():
+            for projection, tensor in zip(projections, panels[form]):
+                projection.panels = tensor
+        return apply
+    return compare(llm, args, {form: use(form) for form in panels}, same_tokens=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""Shared by the benches that compare two settings of one engine side by side in one process
+(bench/fused_decode.py, bench/quant_panels.py): generations with setting A and with setting B
+alternate, so that the machine's drift stays out of the ratio (separate processes minutes apart
+differ by more than the effects measured on a shared machine)."""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_throughput import _prompts, run_kvreplay  # noqa: E402
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.decode_tokens < 1:
+        parser.error("--rounds and --decode-tokens must be at least 1")
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def bf16_engine():
+    """The embedded default model in bf16, as bench/engine_throughput.py runs it."""
+    from kvreplay import LLM
+    return LLM(dtype="bfloat16", kv_cache_memory="512MiB", max_num_batched_tokens=2048,
+               enable_prefix_caching=False)
+
+
+def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None]],
+            same_tokens: bool = False) -> int:
+    """For each batch: one untimed warm-up, then --rounds rounds, each timing a full generation
+    (prefill, then decode tokens/s as bench/engine_throughput.py clocks kvreplay) under each of
+    the two `settings` (label -> function that applies it) in turn; prints a table row of the
+    medians and their ratio. With `same_tokens`, the two settings must also give the same greedy
+    tokens (returns 1 where they do not). The first setting is left applied."""
+    first, second = settings
+    print(f"| batch | {first}, decode tok/s | {second}, decode tok/s | ratio |")
+    print("|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = _prompts(llm.tokenizer, batch, args.prompt_tokens)
+        run_kvreplay(llm, prompts, 2)  # warm-up
+        rates = {label: [] for label in settings}
+        tokens = {}
+        for _ in range(args.rounds):
+            for label, apply in settings.items():
+                apply()
+                rates[label].append(run_kvreplay(llm, prompts, args.decode_tokens)[1])
+                if same_tokens:
+                    tokens[label] = [o.token_ids for o in llm.generate(prompts[:2], _greedy(8))]
+        settings[first]()
+        if same_tokens and tokens[first] != tokens[second]:
+            print(f"batch {batch}: {first} and {second} gave different greedy tokens", file=sys.stderr)
+            return 1
+        a, b = statistics.median(rates[first]), statistics.median(rates[second])
+        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
+    return 0
+
+
+def _greedy(max_tokens: int):
+    from kvreplay import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
