@@ -199,8 +199,8 @@ void rope_rows(T* qkv, const T* cos, const T* sin, const int64_t* slots, T* cach
         const T* k = row + (num_q + h) * D;
         const T* v = row + (num_q + num_kv + h) * D;
         T* kd = cache + h * cache_rows * D + slot * D;
-        T* vd = kd + kv_plane;
-        for (int64_t d = 0; d < D; ++d) { kd[d] = k[d]; vd[d] = v[d]; }
+        std::memcpy(kd, k, D * sizeof(T));  // (an element loop here ran as scalar copies)
+        std::memcpy(kd + kv_plane, v, D * sizeof(T));
       }
     }
   });
