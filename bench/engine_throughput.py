@@ -19,9 +19,11 @@ the same thread count (--threads, set as OMP_NUM_THREADS/MKL_NUM_THREADS in the 
 environment and with torch.set_num_threads), the same dtype, and one untimed warm-up at the measured
 batch shape before the timed run. Within each repeat the engines run one after the other, and the
 order rotates from repeat to repeat (kvreplay first, then transformers first, ...) so that machine
-noise and drift hit both alike. Each figure is the median over --repeats fresh processes. On a
-shared machine, set OMP_WAIT_POLICY=PASSIVE (inherited by the workers) so that idle OpenMP threads
-do not spin against other processes.
+noise and drift hit both alike. Each figure is the median over --repeats fresh processes.
+OMP_WAIT_POLICY=PASSIVE in the environment (inherited by the workers) keeps idle OpenMP threads
+from spinning against other processes, but every parallel region then wakes sleeping threads:
+on the Xeon of docs/benchmarks.md it cut kvreplay's decode 2-3x and llama.cpp's ~4x (26 against
+110 tok/s). The figures in docs/benchmarks.md run without it.
 
 Decode tokens/s = tokens generated after every sequence has its first token / the time that
 takes (batch x decode tokens, less those that sequences prefilled in an earlier chunk already
