@@ -678,10 +678,11 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t record = quant ? packed.size(2) : 0, buffer_size = quant ? kPanelTiles * kLanes * K : 0;
   const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
+  auto records = [=](int64_t p) { return qp + p * kPanelTiles * (K / kQuantBlock) * record; };  // panel p's
   auto panel_weights = [=](int64_t p, uint16_t* buffer) -> const uint16_t* {
     const int64_t t0 = p * kPanelTiles;
     if (!quant) return wp + t0 * kLanes * K;
-    expand_quant_panel(qp + t0 * (K / kQuantBlock) * record, record, std::min(kPanelTiles, tiles - t0), K, buffer);
+    expand_quant_panel(records(p), record, std::min(kPanelTiles, tiles - t0), K, buffer);
     return buffer;
   };
 #if defined(KVREPLAY_AMX)
@@ -702,7 +703,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kPanelTiles * kLanes;
           const uint16_t* w = quant ? nullptr : wp + n0 * K;
-          const uint8_t* q = quant ? qp + p * kPanelTiles * (K / kQuantBlock) * record : nullptr;
+          const uint8_t* q = quant ? records(p) : nullptr;
           const uint16_t* b = bp ? bp + n0 : nullptr;
           switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
             case 1: amx_rows<1>(xpad, r, M, w, q, record, b, op + n0, N, K); break;
