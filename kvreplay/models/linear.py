@@ -68,13 +68,18 @@ class QuantizedWeight:
         return QuantizedWeight(parts[0].format, torch.cat([p.blocks for p in parts]))
 
 
+def env_switch(name: str) -> bool:
+    """An on/off switch in the environment: 1 or unset is on, 0 off, anything else a ValueError."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value != "0"
+
+
 def quant_panels_enabled() -> bool:
     """KVREPLAY_QUANT_PANELS=0 gives GGUF block weights bf16 panels like any other weight (for
     comparisons); 1 or unset: their panels keep the blocks."""
-    value = os.environ.get("KVREPLAY_QUANT_PANELS", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVREPLAY_QUANT_PANELS must be 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch("KVREPLAY_QUANT_PANELS")
 
 
 def machine_panel_rows() -> int:

@@ -5,15 +5,13 @@ delegated to `kvreplay.engine.attention.paged_attention`, which reads and writes
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import Projection, QuantizedWeight
+from kvreplay.models.linear import Projection, QuantizedWeight, env_switch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,10 +37,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def fused_decode_enabled() -> bool:
     """KVREPLAY_FUSED_DECODE=0 runs decode steps through the Python layer code (for comparisons
     and debugging); 1 or unset: through decode_layer where it applies."""
-    value = os.environ.get("KVREPLAY_FUSED_DECODE", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"KVREPLAY_FUSED_DECODE must be 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch("KVREPLAY_FUSED_DECODE")
 
 
 class LlamaModel:
@@ -66,10 +61,9 @@ class LlamaModel:
         self.embed_tokens = take("model.embed_tokens.weight")  # [V, hidden]
         self.norm = take("model.norm.weight")
         # A tied head is packed into its own copy: the embedding lookup needs the plain matrix.
-        head = "model.embed_tokens.weight" if config.tie_word_embeddings or "lm_head.weight" not in weights \
-            else "lm_head.weight"
-        self.lm_head = Projection(self.embed_tokens if head == "model.embed_tokens.weight" else take(head),
-                                  quantized=blocks(head))
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Projection(self.embed_tokens if tied else take("lm_head.weight"),
+                                  quantized=blocks("model.embed_tokens.weight" if tied else "lm_head.weight"))
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
