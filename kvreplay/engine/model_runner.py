@@ -5,6 +5,7 @@ import torch
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice
+from kvreplay.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import LayeredPrefill, Sequence
@@ -45,6 +46,9 @@ class ModelRunner:
         # where it builds and is the faster (else SDPA).
         self.prefill_kernel = cpu_kernels.prefill_attention() \
             if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
+        # Plain decode steps on a GPU replay CUDA graphs (kvreplay/engine/cuda_graphs.py).
+        self.graphs = DecodeGraphs(model, kv.kv_caches, kv.block_size) \
+            if self.device.type == "cuda" and cuda_graphs_enabled() else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -83,20 +87,26 @@ class ModelRunner:
                 decode_slots.append(table[-1] * block_size + position % block_size)
                 logit_rows.append(row)
                 sampled.append(seq)
-            padded = torch.tensor(flat, dtype=torch.long).view(len(tables), width)
-            context = torch.tensor(lengths, dtype=torch.long)
-            positions.append(torch.tensor(decode_positions, dtype=torch.long))
-            slots.append(torch.tensor(decode_slots, dtype=torch.long))
             meta.num_decode_tokens = len(tables)
             cfg = self.model.config
             self.last_hot_reads = sum(map(len, tables)) * cfg.num_layers * cfg.num_kv_heads
-            meta.decode_block_tables = padded.to(self.device)
-            meta.decode_context = context.to(self.device)
             if self.detect_need:
                 meta.probe = self._probe(batch.decodes)
             if self.kv.cold_pool is not None:
                 meta.cold = self._cold(batch.decodes)
             meta.observe_decode = self.observe_importance
+            if self.graphs is not None and not (batch.prefills or batch.replays or batch.layers) \
+                    and meta.probe is None and meta.cold is None and not meta.observe_decode:
+                logits = self.graphs.run(input_ids, decode_positions, decode_slots, lengths, tables)
+                if logits is not None:  # else capturing failed: the eager step below
+                    self.last_cold = None
+                    return logits, sampled
+            padded = torch.tensor(flat, dtype=torch.long).view(len(tables), width)
+            context = torch.tensor(lengths, dtype=torch.long)
+            positions.append(torch.tensor(decode_positions, dtype=torch.long))
+            slots.append(torch.tensor(decode_slots, dtype=torch.long))
+            meta.decode_block_tables = padded.to(self.device)
+            meta.decode_context = context.to(self.device)
             if self.decode_kernel is not None and meta.cold is None:
                 meta.decode_kernel = self.decode_kernel
             else:  # the PyTorch path needs every row padded to the widest table, masked
