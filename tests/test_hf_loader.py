@@ -56,3 +56,30 @@ def test_directory_without_weights_is_a_clear_error(tmp_path, llm32):
         file.unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         LLM(model=str(tmp_path), dtype="float32")
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_takes_the_files_special_tokens(model_path, tmp_path, monkeypatch):
+    """A fresh build (no cache) and its cached copy both stop where the file says: <|im_end|>."""
+    from kvreplay.models.loader import _gguf_special_ids, load_tokenizer
+    monkeypatch.setenv("KVREPLAY_CACHE_DIR", str(tmp_path))
+    assert _gguf_special_ids(model_path) == {"bos": 1, "eos": 2}
+    for _ in ("fresh", "cached"):
+        tokenizer = load_tokenizer(None)
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+        assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_file_special_tokens_correct_a_wrong_converter(llm32):
+    """transformers 5.17 converts this file with eos <|im_start|>; the file's ids win, and an id
+    the vocabulary lacks is ignored rather than set."""
+    import copy
+
+    from kvreplay.models.loader import use_file_special_tokens
+    tokenizer = copy.deepcopy(llm32.tokenizer)
+    tokenizer.eos_token = "<|im_start|>"
+    assert tokenizer.eos_token_id == 1
+    use_file_special_tokens(tokenizer, {"bos": 1, "eos": 2})
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    use_file_special_tokens(tokenizer, {"eos": len(tokenizer) + 5})
+    assert tokenizer.eos_token_id == 2

@@ -125,6 +125,8 @@ class DecodeGraphs:
     def _capture(self, entry: _Bucket) -> None:
         """Warm up on a side stream (cuBLAS picks its kernels, the allocator its blocks), then
         record. The warm-up computes this very step and writes the values the replay writes."""
+        if self.model.device.type != "cuda":  # a CPU model's ops would run once, not be recorded
+            raise RuntimeError(f"CUDA graphs need a model on a CUDA device, not {self.model.device}")
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()

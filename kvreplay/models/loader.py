@@ -211,11 +211,36 @@ def _cache_dir() -> str:
     return os.environ.get("KVREPLAY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvreplay"))
 
 
+def _gguf_special_ids(path: str) -> dict[str, int]:
+    """The file's own special token ids: {"bos": id, "eos": id} where it states them."""
+    fields = _open_gguf(path).fields
+    ids = {}
+    for name in ("bos", "eos"):
+        field = fields.get(f"tokenizer.ggml.{name}_token_id")
+        if field is not None:
+            ids[name] = int(field.contents())
+    return ids
+
+
+def use_file_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """Make the tokenizer's bos / eos the ones the GGUF file states. transformers' converter can
+    get them wrong: 5.17 gives SmolLM2-Instruct's tokenizer eos <|im_start|> (1) where the file
+    says <|im_end|> (2), and generation then runs past the end of every answer."""
+    for name, token_id in ids.items():
+        if getattr(tokenizer, f"{name}_token_id") == token_id or not 0 <= token_id < len(tokenizer):
+            continue
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        logger.info("tokenizer %s token %r -> %r (%d), as the GGUF file states",
+                    name, getattr(tokenizer, f"{name}_token"), token, token_id)
+        setattr(tokenizer, f"{name}_token", token)
+
+
 def _gguf_tokenizer(path: str):
     """transformers builds a tokenizer from GGUF metadata in ~8 s; keep the result on disk."""
     from transformers import AutoTokenizer
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # "v2": caches from before the special tokens were checked against the file are rebuilt
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
@@ -223,6 +248,7 @@ def _gguf_tokenizer(path: str):
         except Exception:
             logger.warning("cached tokenizer at %s is unreadable; rebuilding it", cached)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    use_file_special_tokens(tokenizer, _gguf_special_ids(path))
     try:
         tokenizer.save_pretrained(cached)
     except OSError as exc:
