@@ -9,7 +9,8 @@
 #   4. the SPEC §8 serving workload (`kvreplay bench serve`),
 #   5. step 2's throughput with every decode step eager (KVREPLAY_CUDA_GRAPHS=0), kvreplay only,
 #   6. the engine tests (batching, replay, cold tier, importance, sampling, server) on the GPU.
-# Steps run in the order STEPS names them. Each writes its log (and JSON) under $OUT and runs
+# Steps run in the order STEPS names them; with the default limits the whole run takes at most
+# ~560 s, inside one 10-minute call (an H200 took 62 s for step 1, ~125 s for step 2). Each writes its log (and JSON) under $OUT and runs
 # under its own time limit, so one failure does not hide the others.
 #
 # Usage: OUT=gpu_out bash bench/gpu_check.sh
@@ -28,8 +29,8 @@ export KVREPLAY_DEVICE=${KVREPLAY_DEVICE:-cuda} KVREPLAY_TEST_THREADS=${KVREPLAY
 
 throughput() {  # $1: log / JSON name; the rest: environment for the run
   local name=$1; shift
-  env "$@" timeout "${THROUGHPUT_LIMIT:-170}" "$py" bench/engine_throughput.py --device "$KVREPLAY_DEVICE" \
-    --batches "${BATCHES:-1,32,64}" --decode-tokens 64 --repeats "${REPEATS:-2}" --threads 8 \
+  env "$@" timeout "${THROUGHPUT_LIMIT:-150}" "$py" bench/engine_throughput.py --device "$KVREPLAY_DEVICE" \
+    --batches "${BATCHES:-1,32}" --decode-tokens 64 --repeats "${REPEATS:-1}" --threads 8 \
     --json "$out/$name.json" ${PEER_ARGS:-} 2>&1 | tee "$out/$name.log"
 }
 
@@ -37,29 +38,29 @@ for step in ${steps//,/ }; do
   case $step in
   1)
     echo "== 1. exactness and CUDA-graph tests on $KVREPLAY_DEVICE"
-    timeout "${REFERENCE_LIMIT:-150}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE --tb=long \
+    timeout "${REFERENCE_LIMIT:-90}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE --tb=long \
       tests/test_cuda_graphs.py tests/test_reference.py 2>&1 | tee "$out/pytest_reference.log" ;;
   2)
     echo "== 2. engine throughput (decode from CUDA graphs)"
     throughput throughput ;;
   5)
     echo "== 5. engine throughput, eager decode (KVREPLAY_CUDA_GRAPHS=0, kvreplay only)"
-    PEER_ARGS=--no-peer throughput throughput_eager KVREPLAY_CUDA_GRAPHS=0 ;;
+    PEER_ARGS=--no-peer THROUGHPUT_LIMIT=${EAGER_LIMIT:-60} throughput throughput_eager KVREPLAY_CUDA_GRAPHS=0 ;;
   3)
     echo "== 3. replay serving"
-    timeout "${REPLAY_LIMIT:-90}" "$py" bench/replay_serving.py --device "$KVREPLAY_DEVICE" --requests 16 \
+    timeout "${REPLAY_LIMIT:-70}" "$py" bench/replay_serving.py --device "$KVREPLAY_DEVICE" --requests 16 \
       --prompt-tokens 3000 --output-tokens 128 --full-holds 4.5 --need-layers 20-23 --heavy-tokens 32 \
       --replay-threshold 0.65 --resident-ratio 0.2 --threads 8 --json "$out/replay.json" \
       2>&1 | tee "$out/replay.log" ;;
   6)
     echo "== 6. engine tests on $KVREPLAY_DEVICE"
-    timeout "${TEST_LIMIT:-220}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
+    timeout "${TEST_LIMIT:-130}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
       ${TESTS:-tests/test_kv_engine.py tests/test_batching.py tests/test_replay.py \
       tests/test_cold_sparse.py tests/test_importance.py tests/test_sampling.py tests/test_server.py} \
       2>&1 | tee "$out/pytest.log" ;;
   4)
     echo "== 4. serving workload"
-    timeout "${SERVE_LIMIT:-80}" "$py" -m kvreplay bench serve --device "$KVREPLAY_DEVICE" --policies full,replay \
+    timeout "${SERVE_LIMIT:-60}" "$py" -m kvreplay bench serve --device "$KVREPLAY_DEVICE" --policies full,replay \
       --num-requests 64 --output-tokens 128 --budgets 256MiB,2GiB --max-num-batched-tokens 4096 \
       --no-progress --json "$out/serve.json" --markdown "$out/serve.md" 2>&1 | tee "$out/serve.log" ;;
   *) echo "unknown step $step (1-6)"; exit 2 ;;
