@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/kvreplay bench throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache

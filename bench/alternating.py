@@ -5,15 +5,13 @@ differ by more than the effects measured on a shared machine)."""
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_throughput import _prompts, run_kvreplay  # noqa: E402
+from kvreplay.bench.throughput import _prompts, run_kvreplay
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -31,7 +29,7 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
 
 
 def bf16_engine():
-    """The embedded default model in bf16, as bench/engine_throughput.py runs it."""
+    """The embedded default model in bf16, as `kvreplay bench throughput` runs it."""
     from kvreplay import LLM
     return LLM(dtype="bfloat16", kv_cache_memory="512MiB", max_num_batched_tokens=2048,
                enable_prefix_caching=False)
@@ -40,7 +38,7 @@ def bf16_engine():
 def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None]],
             same_tokens: bool = False) -> int:
     """For each batch: one untimed warm-up, then --rounds rounds, each timing a full generation
-    (prefill, then decode tokens/s as bench/engine_throughput.py clocks kvreplay) under each of
+    (prefill, then decode tokens/s as `kvreplay bench throughput` clocks kvreplay) under each of
     the two `settings` (label -> function that applies it) in turn; prints a table row of the
     medians and their ratio. With `same_tokens`, the two settings must also give the same greedy
     tokens (returns 1 where they do not). The first setting is left applied."""

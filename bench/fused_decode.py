@@ -5,7 +5,7 @@ Usage: python bench/fused_decode.py [--batches 1,8,32] [--prompt-tokens 128] [--
            [--rounds 4] [--threads 2]
 
 For each batch: one engine, one untimed warm-up, then --rounds rounds that each time a full
-generation (as bench/engine_throughput.py clocks kvreplay: prefill, then decode tokens/s) with the
+generation (as `kvreplay bench throughput` clocks kvreplay: prefill, then decode tokens/s) with the
 fused layers and then without them (`LlamaModel.fused_rows` set to 0, which is what
 KVREPLAY_FUSED_DECODE=0 does at load). Alternating in one process keeps the machine's drift out of
 the ratio; separate processes minutes apart differ by more than the effect on a shared machine.

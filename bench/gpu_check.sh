@@ -29,7 +29,7 @@ export KVREPLAY_DEVICE=${KVREPLAY_DEVICE:-cuda} KVREPLAY_TEST_THREADS=${KVREPLAY
 
 throughput() {  # $1: log / JSON name; the rest: environment for the run
   local name=$1; shift
-  env "$@" timeout "${THROUGHPUT_LIMIT:-150}" "$py" bench/engine_throughput.py --device "$KVREPLAY_DEVICE" \
+  env "$@" timeout "${THROUGHPUT_LIMIT:-150}" "$py" -m kvreplay bench throughput --device "$KVREPLAY_DEVICE" \
     --batches "${BATCHES:-1,32}" --decode-tokens 64 --repeats "${REPEATS:-1}" --threads 8 \
     --json "$out/$name.json" ${PEER_ARGS:-} 2>&1 | tee "$out/$name.log"
 }

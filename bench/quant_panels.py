@@ -6,7 +6,7 @@ Usage: python bench/quant_panels.py [--batches 1,8,32] [--prompt-tokens 128] [--
            [--rounds 4] [--threads 2]
 
 For each batch: one engine on the embedded default model, one untimed warm-up, then --rounds
-rounds that each time a full generation (as bench/engine_throughput.py clocks kvreplay: prefill,
+rounds that each time a full generation (as `kvreplay bench throughput` clocks kvreplay: prefill,
 then decode tokens/s) with every projection's quantized panels and then with the bf16 panels they
 expand to (`expand_quant_panels`, the same weights: tests/test_quant_panels.py), which is what
 KVREPLAY_QUANT_PANELS=0 gives at load. The greedy tokens of the two must match, and do.

@@ -70,6 +70,14 @@ def default_device() -> str:
     return os.environ.get(DEVICE_ENV) or "cpu"
 
 
+def check_device(device) -> None:
+    """A ValueError unless `device` is "cpu" or "cuda[:N]" with a GPU that torch sees."""
+    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA GPU; use device='cpu'")
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine.
@@ -213,7 +221,4 @@ class EngineConfig:
         for name in ("approx_prefill", "layered_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but torch sees no CUDA GPU; use device='cpu'")
+        check_device(self.device)

@@ -34,3 +34,45 @@ def test_side_by_side_bench_runs(script, labels):
 def test_side_by_side_bench_rejects_bad_arguments(script):
     result = _run(script, "--rounds", "0")
     assert result.returncode == 2 and "--rounds and --decode-tokens must be at least 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_throughput_bench_runs_both_engines(tmp_path):
+    """`kvreplay bench throughput`: kvreplay and transformers each in its own process, a table row
+    with both engines' figures and their ratios, and the same figures in the JSON."""
+    out = tmp_path / "throughput.json"
+    result = subprocess.run([sys.executable, "-m", "kvreplay", "bench", "throughput", "--batches", "2",
+                             "--prompt-tokens", "16", "--decode-tokens", "3", "--repeats", "1",
+                             "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+    data = json.loads(out.read_text())
+    assert [r["engine"] for r in data["runs"]] == ["kvreplay", "transformers"]
+    row, = data["rows"]
+    assert row["batch"] == 2 and row["kvreplay_decode_tok_s"] > 0 and row["transformers_decode_tok_s"] > 0
+    assert row["decode_ratio"] == pytest.approx(row["kvreplay_decode_tok_s"] / row["transformers_decode_tok_s"])
+    line = f"| 2 | {row['kvreplay_prefill_tok_s']:.0f} | {row['kvreplay_decode_tok_s']:.1f} |"
+    assert any(text.startswith(line) and text.rstrip().endswith(f"{row['decode_ratio']:.2f}x |")
+               for text in result.stdout.splitlines()), result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batches", "0"], "expected batch sizes like 1,8,32, got '0'"),
+    (["--batches", "1,x"], "expected batch sizes like 1,8,32"),
+    (["--repeats", "0"], "expected a positive integer, got '0'"),
+    (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    (["--model", "/no/such/model.gguf"], "does not exist"),
+    (["--llama-cpp", "--model", "."], "--llama-cpp needs a .gguf model file"),
+])
+def test_throughput_bench_rejects_bad_arguments(args, message, capsys):
+    from kvreplay.cli import main
+    try:
+        code = main(["bench", "throughput", *args])
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_old_script_name_takes_the_same_arguments():
+    result = _run("engine_throughput.py", "--help")
+    assert result.returncode == 0 and "--llama-cpp" in result.stdout and "--batches" in result.stdout

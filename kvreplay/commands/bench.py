@@ -1,4 +1,5 @@
-"""`kvreplay bench serve` and `kvreplay bench quality`: measure KV policies side by side."""
+"""`kvreplay bench serve`, `quality` and `throughput`: measure KV policies, and the engine against its
+peers, side by side."""
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="serving and quality benchmarks per KV policy",
-                                  description="Benchmarks of SPEC §8. Run `kvreplay bench serve --help` "
-                                              "or `kvreplay bench quality --help`.")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{serve,quality,plot}")
+                                  description="Benchmarks of SPEC §8. Run `kvreplay bench serve --help`, "
+                                              "`kvreplay bench quality --help` or "
+                                              "`kvreplay bench throughput --help`.")
+    commands = bench.add_subparsers(dest="bench_command", metavar="{serve,quality,throughput,plot}")
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
     serve = commands.add_parser(
@@ -86,6 +88,16 @@ def register(subparsers) -> None:
     quality.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     _add_common(quality)
     quality.set_defaults(func=run_quality)
+
+    from kvreplay.bench import throughput as throughput_bench
+    throughput = commands.add_parser(
+        "throughput", help="prefill and decode tok/s against transformers (and llama.cpp), side by side",
+        description="Prefill and decode throughput of kvreplay against transformers `generate` on the "
+                    "same weights, prompts, dtype and thread count (and llama.cpp single-stream with "
+                    "--llama-cpp), each run in a fresh process, the engines alternating within each "
+                    "repeat; medians of --repeats. Prints a table of tok/s and ratios per batch size.")
+    throughput_bench.add_arguments(throughput)
+    throughput.set_defaults(func=throughput_bench.run)
 
     plot = commands.add_parser("plot", help="PNG figures from bench JSON results (needs matplotlib)",
                                description="Throughput against budget from a `bench serve --budgets` "
