@@ -63,6 +63,45 @@ def test_padded_step_gives_the_eager_tokens(cpu_llm, eager_tokens):
     assert (4, MIN_BLOCKS) in used and (4, 2 * MIN_BLOCKS) in used, used
 
 
+def _staggered(engine) -> tuple[list[list[int]], list[bool]]:
+    """Two requests, the second added after five steps; every step checked. Returns the tokens of
+    each and, per step of the first twelve, whether it went to the graphs (runner.graphs.calls)."""
+    runner, kinds, finished = engine.runner, [], {}
+    ids = [engine.add_request(PROMPTS[0], PARAMS)]
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 5:
+            ids.append(engine.add_request(PROMPTS[1], PARAMS))
+        before = len(getattr(runner.graphs, "calls", []))
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+        engine.check_integrity()
+        if step < 12:
+            kinds.append(len(getattr(runner.graphs, "calls", [])) > before)
+        step += 1
+    return [finished[i] for i in ids], kinds
+
+
+@pytest.mark.slow
+def test_only_plain_decode_steps_take_the_graphs(cpu_llm):
+    """A step that also prefills a new request runs eagerly; the decode-only steps around it take
+    the graphs; the tokens are the eager engine's."""
+    engine, runner = cpu_llm.engine, cpu_llm.engine.runner
+    eager, _ = _staggered(engine)
+    graphs = runner.graphs = DecodeGraphs(runner.model, runner.kv.kv_caches, runner.kv.block_size, capture=False)
+    graphs.calls, run = [], graphs.run
+    graphs.run = lambda *args: graphs.calls.append(len(args[0])) or run(*args)
+    try:
+        graphed, kinds = _staggered(engine)
+    finally:
+        runner.graphs = None
+    # step 0 prefills, 1-4 decode one row, 5 prefills the second prompt beside a decode, then two rows
+    assert kinds == [False, True, True, True, True, False] + [True] * 6, kinds
+    assert graphs.calls[:5] == [1, 1, 1, 1, 2]
+    assert graphed == eager
+
+
 @pytest.mark.slow
 def test_failed_capture_falls_back_to_eager(cpu_llm, eager_tokens, caplog):
     """Capturing needs a CUDA model: for a CPU one it fails (also where a GPU is present), which
