@@ -8,10 +8,9 @@ Usage:
 
 Every measurement runs in a fresh interpreter (`python -m kvreplay.bench.throughput --worker
 kvreplay|transformers|llama_cpp --batch N ...`, which prints one JSON line), so each engine has a
-process to itself. Why: an
-earlier version loaded both models into one process, and there kvreplay's batch-32 decode fell
-from ~458 tok/s (alone in its process) to ~270 tok/s once the transformers model was loaded and had
-run `generate`. The cause was not pinned down (the shared allocator, OpenMP/oneDNN thread pools and
+process to itself. Why: an earlier version loaded both models into one process, and there
+kvreplay's batch-32 decode fell from ~458 tok/s (alone in its process) to ~270 tok/s once the
+transformers model was loaded and had run `generate`. The cause was not pinned down (the shared allocator, OpenMP/oneDNN thread pools and
 primitive caches, the CPU caches are the candidates), but a figure taken that way measures the
 interference as much as the engines. A fresh process per engine and run is fair to both: nothing
 of one engine is left in the other's process.
