@@ -1,9 +1,9 @@
 """Decode-only steps replayed from CUDA graphs.
 
 On a GPU an eager decode step is bound by the host, not the chip: each layer launches ~45 small
-kernels from Python, so a step of this 135M model took ~28 ms at batch 1 on an H200 whose memory
-reads its weights in well under 0.1 ms (docs/benchmarks.md, "GPU"). A CUDA graph records one step's
-kernels once and replays them with one launch.
+kernels from Python, so a step of this 135M model took 17-28 ms at batch 1 on an H200 whose memory
+reads its weights in well under 0.1 ms. A CUDA graph records one step's kernels once and replays
+them with one launch: 3.3 ms a step there (docs/benchmarks.md, "GPU").
 
 A graph fixes its tensors' shapes and addresses, so steps are bucketed: rows up to the next power
 of two, blocks per row likewise (at least `MIN_BLOCKS`). Each bucket owns static input buffers that
