@@ -106,6 +106,13 @@ class AttentionMetadata:
     cold_mass: torch.Tensor | None = None
 
 
+def decode_padding(context: torch.Tensor, width: int, num_kv: int) -> torch.Tensor:
+    """AttentionMetadata.decode_padding [Hkv*B, 1, width] for rows attending to `context` [B]
+    tokens each, their tables padded to `width` key rows: True past each row's context."""
+    keys = torch.arange(width, device=context.device)
+    return (keys[None, :] >= context[:, None]).repeat(num_kv, 1).unsqueeze(1)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, cache_written: bool = False) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D].

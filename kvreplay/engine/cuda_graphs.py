@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay.engine.attention import AttentionMetadata
+from kvreplay.engine.attention import AttentionMetadata, decode_padding
 from kvreplay.models.linear import env_switch
 
 log = logging.getLogger(__name__)
@@ -114,12 +114,9 @@ class DecodeGraphs:
         rows, width = entry.rows, entry.blocks
         ids, positions, slots, lengths = entry.inputs[:4 * rows].view(4, rows)
         tables = entry.inputs[4 * rows:].view(rows, width)
-        keys = torch.arange(width * self.block_size, device=entry.inputs.device)
-        padding = keys[None, :] >= lengths[:, None]                              # [R, W * bs]
-        num_kv = self.model.config.num_kv_heads
+        padding = decode_padding(lengths, width * self.block_size, self.model.config.num_kv_heads)
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=rows, decode_block_tables=tables,
-                                 decode_context=lengths,
-                                 decode_padding=padding.repeat(num_kv, 1).unsqueeze(1))
+                                 decode_context=lengths, decode_padding=padding)
         return self.model.forward(ids, positions, self.kv_caches, meta, None)
 
     def _capture(self, entry: _Bucket) -> None:

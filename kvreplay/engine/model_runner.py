@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.engine.attention import AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice
+from kvreplay.engine.attention import (AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice,
+                                       decode_padding)
 from kvreplay.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
@@ -110,9 +111,7 @@ class ModelRunner:
             if self.decode_kernel is not None and meta.cold is None:
                 meta.decode_kernel = self.decode_kernel
             else:  # the PyTorch path needs every row padded to the widest table, masked
-                padding = torch.arange(width * block_size)[None, :] >= context[:, None]  # [B, L]
-                num_kv = self.model.config.num_kv_heads
-                meta.decode_padding = padding.repeat(num_kv, 1).unsqueeze(1).to(self.device)
+                meta.decode_padding = decode_padding(context, width * block_size, cfg.num_kv_heads).to(self.device)
         self.last_cold = meta.cold
         observed = []  # (sequence, table indices of its gathered blocks, prefill slice)
 

@@ -213,13 +213,9 @@ def _cache_dir() -> str:
 
 def _gguf_special_ids(path: str) -> dict[str, int]:
     """The file's own special token ids: {"bos": id, "eos": id} where it states them."""
-    fields = _open_gguf(path).fields
-    ids = {}
-    for name in ("bos", "eos"):
-        field = fields.get(f"tokenizer.ggml.{name}_token_id")
-        if field is not None:
-            ids[name] = int(field.contents())
-    return ids
+    meta = _gguf_metadata(_open_gguf(path))
+    return {name: int(meta[key]) for name in ("bos", "eos")
+            if (key := f"tokenizer.ggml.{name}_token_id") in meta}
 
 
 def use_file_special_tokens(tokenizer, ids: dict[str, int]) -> None:
