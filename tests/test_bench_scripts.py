@@ -76,3 +76,23 @@ def test_throughput_bench_rejects_bad_arguments(args, message, capsys):
 def test_old_script_name_takes_the_same_arguments():
     result = _run("engine_throughput.py", "--help")
     assert result.returncode == 0 and "--llama-cpp" in result.stdout and "--batches" in result.stdout
+
+
+def test_decode_steps_bench_times_each_thread_count():
+    result = _run("decode_steps.py", "--batch", "2", "--prompt-tokens", "16", "--decode-tokens", "3",
+                  "--rounds", "1", "--threads", "1,2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    one, two = rows
+    assert float(one[2]) > 0 and float(two[2]) > 0  # median decode step, ms
+    assert one[4].strip() == "1.00x" and one[5].strip() == ""  # the first count is the reference
+    assert two[4].strip().endswith("x") and two[5].strip() != ""  # speedup and serial share
+
+
+@pytest.mark.parametrize("args,message", [(["--threads", "0"], "thread counts must be positive"),
+                                          (["--threads", "a,b"], "comma-separated thread counts"),
+                                          (["--rounds", "0"], "expected a positive integer")])
+def test_decode_steps_bench_rejects_bad_arguments(args, message):
+    result = _run("decode_steps.py", *args)
+    assert result.returncode == 2 and message in result.stderr
