@@ -692,8 +692,8 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   if (K % 32 == 0 && amx_permitted()) {
     // blocks of r <= 16 rows, all of r rows, read from x in place; when the rows do not split
     // evenly, the last block's are copied into a zero-padded buffer. (A copy of all of x, as
-    // this once did, made a step's products 1.11-1.18x slower at 8-32 rows: the other thread
-    // reads it from the first one's cache.)
+    // this once did, cost 1.06-1.18x on a step's products at 8-32 rows measured alone, the
+    // other thread reading the copy from the first one's cache; docs/benchmarks.md.)
     const int64_t blocks = (M + 15) / 16, r = (M + blocks - 1) / blocks, last = (blocks - 1) * r;
     std::vector<uint16_t> pad;
     if (blocks * r != M) {
