@@ -14,9 +14,15 @@ time another version of the engine the same way.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
+
+from kvreplay.bench.throughput import _positive, _prompts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from alternating import bf16_engine  # noqa: E402
 
 
 def _counts(text: str) -> list[int]:
@@ -27,16 +33,6 @@ def _counts(text: str) -> list[int]:
     if not counts or any(n < 1 for n in counts):
         raise argparse.ArgumentTypeError(f"thread counts must be positive, got {text!r}")
     return counts
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def decode_step_ms(engine, prompts, decode_tokens: int) -> float:
@@ -68,10 +64,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from kvreplay import LLM
-    from kvreplay.bench.throughput import _prompts
-    llm = LLM(dtype="bfloat16", kv_cache_memory="512MiB", max_num_batched_tokens=2048,
-              enable_prefix_caching=False)
+    llm = bf16_engine()
     prompts = _prompts(llm.engine.tokenizer, args.batch, args.prompt_tokens)
     decode_step_ms(llm.engine, prompts, 2)  # warm-up
     steps: dict[int, list[float]] = {n: [] for n in args.threads}
