@@ -207,3 +207,64 @@ def test_build_is_keyed_by_the_cpu(monkeypatch):
         names[signature] = cpu_kernels.build_name("layer_ops")
     assert len(set(names.values())) == 2
     assert all(n.startswith("kvreplay_layer_ops_") for n in names.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_cache_rows_past_the_context_are_never_used(op, dtype):
+    """A last block's rows past the context hold whatever an earlier sequence left there, NaN
+    included: neither path (vector or AMX tiles, which read a block's 16 rows whole and pair keys
+    across blocks) lets them into the output. Lengths end mid-block, on a block, and after an odd
+    number of blocks."""
+    lengths = [1, 5, 16, 17, 40, 47, 48]
+    query, keys, values, tables, context, _ = _case(dtype, len(lengths), lengths, seed=9, num_blocks=128)
+    clean_keys, clean_values = keys.clone(), values.clone()
+    for row, n in enumerate(lengths):
+        last = tables[row, (n - 1) // 16]
+        for cache in (keys, values):
+            cache[:, last, (n - 1) % 16 + 1:] = float("nan")
+    for cache, clean in ((keys, clean_keys), (values, clean_values)):  # every unused block too
+        used = torch.zeros(cache.shape[1], dtype=torch.bool)
+        for row, n in enumerate(lengths):
+            used[tables[row, :-(-n // 16)]] = True
+        cache[:, ~used] = float("nan")
+        clean[:, ~used] = 0
+    got, lse, _ = op(query, keys, values, tables, context, 0.125, True, False)
+    want, want_lse, _ = op(query, clean_keys, clean_values, tables, context, 0.125, True, False)
+    assert torch.isfinite(got).all() and torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
+def test_amx_tiles_agree_with_the_vector_kernel(op, tmp_path):
+    """On a CPU with AMX tiles, bf16 rows with 16-token blocks and a head size of 64 or 128 run
+    on them (scores; values too at 64); KVREPLAY_AMX_ATTENTION=0 (read once per process, hence a
+    subprocess) keeps the vector kernel. Both within one bf16 step of each other and of fp32."""
+    import os
+    import subprocess
+    import sys
+    if not torch.ops.kvreplay_cpu.has_amx_attention():
+        pytest.skip("no AMX tiles here: the vector kernel is the one the other tests run")
+    cases = [(64, 3), (64, 7), (128, 3), (64, 16)]
+    lengths = [1, 15, 16, 17, 47, 100, 300, 513]
+    script = tmp_path / "vector.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_cpu_kernels import _case\n"
+        "from kvreplay.engine import cpu_kernels\n"
+        "op = cpu_kernels.decode_attention()\n"
+        "assert not torch.ops.kvreplay_cpu.has_amx_attention()\n"
+        f"outs = [op(*_case(torch.bfloat16, {len(lengths)}, {lengths!r}, head_dim=d, group=g, num_kv=2,\n"
+        "                  num_blocks=160, seed=d + g)[:5], 0.125, True, False)[:2] for d, g in "
+        f"{cases!r}]\n"
+        f"torch.save(outs, {str(tmp_path / 'vector.pt')!r})\n")
+    env = {**os.environ, "KVREPLAY_AMX_ATTENTION": "0"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    vector = torch.load(tmp_path / "vector.pt")
+    for (d, g), (vec_out, vec_lse) in zip(cases, vector):
+        case = _case(torch.bfloat16, len(lengths), lengths, head_dim=d, group=g, num_kv=2, num_blocks=160, seed=d + g)
+        out, lse = op(*case[:5], 0.125, True, False)[:2]
+        exact, exact_lse, _ = _reference(*case[:5], 0.125)
+        step = exact.abs().clamp_min(2 ** -8) * 2 ** -7  # one bf16 step, and a floor near zero
+        assert ((out.float() - vec_out.float()).abs() <= step).all(), (d, g)
+        assert ((out.float() - exact).abs() <= step).all() and ((vec_out.float() - exact).abs() <= step).all()
+        assert (lse - vec_lse).abs().max().item() < 1e-4 and (lse - exact_lse).abs().max().item() < 1e-4

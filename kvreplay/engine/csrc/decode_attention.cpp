@@ -14,7 +14,10 @@
 // Work is split over (sequence, KV head) pairs, a long row's pairs into chunks of 32 blocks
 // (merged by their log-sum-exps; see decode_rows); the G = Hq / Hkv query heads that share a KV
 // head are handled together: each value row is widened to fp32 once for all of them, and with
-// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows).
+// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows). On a CPU
+// with AMX tiles, bf16 rows with 16-token blocks and a head size of 64 or 128 take their scores
+// (and at 64 their values too) from tile multiplies instead (below; KVREPLAY_AMX_ATTENTION=0
+// keeps the vector path): ~1.3x less time with the cache in L2, about the same from memory.
 // The file also holds the need detector's scoring of dropped blocks (need_block_mass, below).
 // Built on first use by kvreplay/engine/cpu_kernels.py; the pure PyTorch path in attention.py
 // computes the same thing and stays the reference.
@@ -214,6 +217,204 @@ template <int D, typename T>
 inline void block_values16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
+// Scores on AMX tiles (bf16 caches, head size 64 or 128, G <= 16 query heads a KV head, 16-token
+// blocks). A block's keys are a tile as the cache holds them (16 rows, 32 dimensions each, D
+// apart), so they load straight from the cache; the G query rows are laid out once per (sequence,
+// KV head) as the other operand (16 pairs of dimensions x G heads, tiles 2 ..) and stay loaded
+// across the blocks. One tile multiply a 32 dimensions gives the block's 16 x G dot products
+// (exact products, fp32 sums over the dimensions in order): the work that took ~300 vector
+// operations a block (pair dot products and their transpose-and-add tree, for each head) is two
+// tile multiplies, a tile store and a gather a head. The sums run in another order than the
+// vector kernel's, so scores differ from its in the last bits.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+constexpr bool kHaveAmxScores = true;
+
+bool amx_scores_permitted() {
+  static const bool ok = kvreplay_amx::tiles_granted("KVREPLAY_AMX_ATTENTION");
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes, set once per thread and call. The score pass uses tiles 0 and 7
+// for a block's scores [16 keys x 16 heads, those past G zero], 1 and 6 for its keys [16 x 32
+// dimensions], 2 .. 1 + D/32 for the query [16 dimension pairs x 16 heads]; the value pass
+// (values_on_tiles) reuses them.
+inline void attention_tiles_config() {
+  kvreplay_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+inline void release_tiles() { _tile_release(); }
+
+// The G query rows (bf16, [G, D] contiguous) into tiles 2 ..: row i of tile c holds, for each head
+// g, its dimensions 32c + 2i and 32c + 2i + 1.
+template <int D>
+inline void load_query_tiles(const c10::BFloat16* q, int64_t G) {
+  alignas(64) uint32_t staging[D / 32][16 * 16] = {};  // heads past G: zero
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int c = 0; c < D / 32; ++c)
+    for (int i = 0; i < 16; ++i)
+      for (int64_t g = 0; g < G; ++g) staging[c][i * 16 + g] = pairs[g * (D / 2) + c * 16 + i];
+  kvreplay_amx::before_tile_loads();
+  _tile_loadd(2, staging[0], 64);
+  _tile_loadd(3, staging[1], 64);
+  if constexpr (D == 128) {
+    _tile_loadd(4, staging[2], 64);
+    _tile_loadd(5, staging[3], 64);
+  }
+}
+
+// A block's 16 x G dot products into score tile C (0 or 7): the keys' 16 rows are all read (a
+// block is whole in the cache; rows past the context are dropped when collected).
+// (the tile intrinsics take the tile's number as a literal, hence the macro)
+#define KVREPLAY_SCORE_PRODUCTS(C)        \
+  _tile_zero(C);                          \
+  _tile_loadd(1, keys, D * 2);            \
+  _tile_loadd(6, keys + 32, D * 2);       \
+  _tile_dpbf16ps(C, 1, 2);                \
+  _tile_dpbf16ps(C, 6, 3);                \
+  if constexpr (D == 128) {               \
+    _tile_loadd(1, keys + 64, D * 2);     \
+    _tile_loadd(6, keys + 96, D * 2);     \
+    _tile_dpbf16ps(C, 1, 4);              \
+    _tile_dpbf16ps(C, 6, 5);              \
+  }
+template <int D, int C>
+inline void issue_block_scores(const c10::BFloat16* keys) {
+  static_assert(C == 0 || C == 7);
+  if constexpr (C == 0) {
+    KVREPLAY_SCORE_PRODUCTS(0)
+  } else {
+    KVREPLAY_SCORE_PRODUCTS(7)
+  }
+}
+#undef KVREPLAY_SCORE_PRODUCTS
+
+// scores[g * L + r] = scale * (q[g] . k[r]) for the block's first `rows` keys, from score tile C
+template <int C>
+inline void collect_block_scores(int64_t rows, int64_t G, int64_t L, float scale, float* scores) {
+  alignas(64) float sums[16 * 16];
+  if constexpr (C == 0) _tile_stored(0, sums, 64);
+  else _tile_stored(7, sums, 64);
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
+  const __m512 scaling = _mm512_set1_ps(scale);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(g))), sums, 4);
+    _mm512_mask_storeu_ps(scores + g * L, keep, _mm512_mul_ps(v, scaling));
+  }
+}
+
+// The score pass of one (sequence, KV head) over its `nblocks` blocks (keys of block i at
+// keys(i)), two blocks in flight: block i's products run on the tiles while block i - 1's
+// scores are stored and spread out per head (each waiting on its own products cost ~2x).
+template <int D, typename Keys, typename Prefetch>
+inline void scores_on_tiles(Keys keys, Prefetch prefetch, int64_t nblocks, int64_t bs, int64_t L, int64_t G,
+                            float scale, float* scores) {
+  auto collect = [&](int64_t blk) {
+    const int64_t rows = std::min(bs, L - blk * bs);
+    if (blk & 1) collect_block_scores<7>(rows, G, L, scale, scores + blk * bs);
+    else collect_block_scores<0>(rows, G, L, scale, scores + blk * bs);
+  };
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    prefetch(blk);
+    if (blk & 1) issue_block_scores<D, 7>(keys(blk));
+    else issue_block_scores<D, 0>(keys(blk));
+    if (blk > 0) collect(blk - 1);
+  }
+  if (nblocks > 0) collect(nblocks - 1);
+}
+
+// The value pass on tiles for D = 64, 32 keys (two blocks) at a time: tile 4 holds the G heads'
+// probabilities of the 32 keys in bf16 and tile 5 what bf16 missed of them (p - hi, in bf16: the
+// two carry ~16 significant bits of the fp32 probability, where one would carry 8), tiles 6 / 7
+// the keys' values for one group of 16 dimensions with each pair of keys interleaved (what the
+// tile multiply pairs), and tiles 0-3 the G x 64 outputs, fp32. Each group's tile takes, per
+// 128-bit lane of the value row, dimensions 8l .. 8l + 3 (unpacklo) or 8l + 4 .. 8l + 7
+// (unpackhi), of the first 32 dimensions (tiles 0, 1) or the last (2, 3): output column c of
+// tile t is dimension 32 (t / 2) + 8 (c / 4) + 4 (t % 2) + c % 4. Keys past L get probability 0
+// and values 0 (never the cache's stale rows: 0 x NaN would be NaN). The sums run in another
+// order than the vector kernel's fp32 products, so outputs differ from its in the last bits.
+inline void values_on_tiles(const float* probs, const c10::BFloat16* vh, const int64_t* table, int64_t L,
+                            int64_t G, int64_t bs, float* acc) {
+  constexpr int D = 64;
+  alignas(64) uint16_t hi[16][32] = {}, lo[16][32] = {};  // heads past G stay zero
+  alignas(64) uint32_t values[4][16][16];  // [dimension group][pair of keys][dimension]
+  const int64_t nblocks = (L + bs - 1) / bs;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t0 = 0; t0 < L; t0 += 32) {
+    const int64_t left = L - t0;
+    const __mmask16 first = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 second = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1u);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p0 = _mm512_maskz_loadu_ps(first, probs + g * L + t0);
+      const __m512 p1 = _mm512_maskz_loadu_ps(second, probs + g * L + t0 + 16);
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+      const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+      _mm512_store_si512(hi[g], h);
+      _mm512_store_si512(lo[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0)));
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t blk = t0 / bs + half;
+      const int64_t rows = blk < nblocks ? std::min(bs, L - blk * bs) : 0;
+      const c10::BFloat16* v = rows > 0 ? vh + table[blk] * bs * D : nullptr;
+      for (int k = 0; k < 8; ++k) {
+        const int64_t key = 2 * k;
+        const __m512i a0 = key < rows ? _mm512_loadu_si512(v + key * D) : _mm512_setzero_si512();
+        const __m512i a1 = key < rows ? _mm512_loadu_si512(v + key * D + 32) : _mm512_setzero_si512();
+        const __m512i b0 = key + 1 < rows ? _mm512_loadu_si512(v + (key + 1) * D) : _mm512_setzero_si512();
+        const __m512i b1 = key + 1 < rows ? _mm512_loadu_si512(v + (key + 1) * D + 32) : _mm512_setzero_si512();
+        const int row = half * 8 + k;
+        _mm512_store_si512(values[0][row], _mm512_unpacklo_epi16(a0, b0));
+        _mm512_store_si512(values[1][row], _mm512_unpackhi_epi16(a0, b0));
+        _mm512_store_si512(values[2][row], _mm512_unpacklo_epi16(a1, b1));
+        _mm512_store_si512(values[3][row], _mm512_unpackhi_epi16(a1, b1));
+      }
+    }
+    kvreplay_amx::before_tile_loads();
+    _tile_loadd(4, hi, 64);
+    _tile_loadd(5, lo, 64);
+    _tile_loadd(6, values[0], 64);
+    _tile_loadd(7, values[1], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, values[2], 64);
+    _tile_loadd(7, values[3], 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    kvreplay_amx::before_tile_loads();  // the next round's stores stay after these loads
+  }
+  alignas(64) float out[4][16][16];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  _tile_stored(2, out[2], 64);
+  _tile_stored(3, out[3], 64);
+  for (int64_t g = 0; g < G; ++g)
+    for (int t = 0; t < 4; ++t)
+      for (int c = 0; c < 16; ++c) acc[g * D + 32 * (t / 2) + 8 * (c / 4) + 4 * (t % 2) + c % 4] = out[t][g][c];
+}
+#else
+constexpr bool kHaveAmxScores = false;
+inline bool amx_scores_permitted() { return false; }
+inline void attention_tiles_config() {}
+inline void values_on_tiles(const float*, const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, float*) {}
+inline void release_tiles() {}
+template <int D> inline void load_query_tiles(const c10::BFloat16*, int64_t) {}
+template <int D, typename Keys, typename Prefetch>
+inline void scores_on_tiles(Keys, Prefetch, int64_t, int64_t, int64_t, int64_t, float, float*) {}
+#endif
+
 // o[i] = acc[i] rounded to T (to nearest even, as static_cast); 16 lanes at a time for bf16
 template <typename T>
 inline void store_rows(const float* acc, T* o, int64_t n) {
@@ -234,26 +435,41 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
                 const int64_t* __restrict table, int64_t L, int64_t G, int64_t head_dim, int64_t bs,
                 float scale, float* __restrict qf, float* __restrict acc, float* __restrict scores,
                 float* __restrict buf, T* __restrict o, float* __restrict lse, float* __restrict mass,
-                float* __restrict o_fp32 = nullptr) {
+                float* __restrict o_fp32 = nullptr, bool on_tiles = false) {
   const int64_t D = FixedD > 0 ? FixedD : head_dim;
   widen(q, qf, G * D);
   for (int64_t i = 0; i < G * D; ++i) { qf[i] *= scale; acc[i] = 0.f; }
   const int64_t nblocks = (L + bs - 1) / bs;
   constexpr bool fast = kHaveAvx512 && kLoads16<T> && FixedD > 0 && FixedD % 16 == 0;
   const bool blocks16 = fast && bs == 16;
+  // on_tiles: the caller set attention_tiles_config (bf16, D 64 or 128, G <= 16, 16-token blocks)
+  constexpr bool tiles_able = kHaveAmxScores && std::is_same_v<T, c10::BFloat16> && (FixedD == 64 || FixedD == 128);
+  if constexpr (tiles_able) {
+    if (on_tiles) load_query_tiles<FixedD>(reinterpret_cast<const c10::BFloat16*>(q), G);
+  }
   if constexpr (fast) {
     if (blocks16)
       for (int64_t blk = 0; blk < std::min(kPrefetchAhead, nblocks); ++blk)
         prefetch_to_l1(kh + table[blk] * bs * D, bs * D);
   }
-  for (int64_t blk = 0; blk < nblocks; ++blk) {  // scores, one cache block at a time
+  auto prefetch = [&](int64_t blk) {
+    if (blk + kPrefetchAhead < nblocks) prefetch_to_l2(kh + table[blk + kPrefetchAhead] * bs * D, bs * D);
+    if (blk + 1 < nblocks) prefetch_to_l1(kh + table[blk + 1] * bs * D, bs * D);
+    prefetch_to_l2(vh + table[blk] * bs * D, bs * D);
+  };
+  bool scored = false;
+  if constexpr (tiles_able) {
+    if (on_tiles) {
+      auto keys = [&](int64_t blk) { return reinterpret_cast<const c10::BFloat16*>(kh + table[blk] * bs * D); };
+      scores_on_tiles<FixedD>(keys, prefetch, nblocks, bs, L, G, scale, scores);
+      scored = true;
+    }
+  }
+  for (int64_t blk = 0; blk < nblocks && !scored; ++blk) {  // scores, one cache block at a time
     const int64_t rows = std::min(bs, L - blk * bs);
     if constexpr (fast) {
       if (blocks16) {
-        if (blk + kPrefetchAhead < nblocks)
-          prefetch_to_l2(kh + table[blk + kPrefetchAhead] * bs * D, bs * D);
-        if (blk + 1 < nblocks) prefetch_to_l1(kh + table[blk + 1] * bs * D, bs * D);
-        prefetch_to_l2(vh + table[blk] * bs * D, bs * D);
+        prefetch(blk);
         if constexpr (kHaveBf16Dot && std::is_same_v<T, c10::BFloat16> && FixedD % 32 == 0)
           block_scores16_bf16<FixedD>(q, kh + table[blk] * bs * D, rows, G, L, scale, scores + blk * bs);
         else
@@ -302,7 +518,14 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
       mass[blk] = best;
     }
   }
-  for (int64_t blk = 0; blk < nblocks; ++blk) {  // probabilities times values
+  bool valued = false;
+  if constexpr (tiles_able && FixedD == 64) {
+    if (on_tiles) {
+      values_on_tiles(scores, reinterpret_cast<const c10::BFloat16*>(vh), table, L, G, bs, acc);
+      valued = true;
+    }
+  }
+  for (int64_t blk = 0; blk < nblocks && !valued; ++blk) {  // probabilities times values
     const int64_t rows = std::min(bs, L - blk * bs);
     if constexpr (fast) {
       if (blocks16) {
@@ -357,7 +580,10 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
     const int64_t chunks = (first[b + 1] - first[b]) / Hkv, local = task - first[b];
     return Task{b, local / chunks, local % chunks, chunks};
   };
+  const bool on_tiles = std::is_same_v<T, c10::BFloat16> && (FixedD == 64 || FixedD == 128) && bs == 16 &&
+                        G <= 16 && amx_scores_permitted();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    if (on_tiles) attention_tiles_config();
     std::vector<float> work(2 * G * D + G * longest + bs * D);
     float* qf = work.data();
     float* acc = qf + G * D;
@@ -377,16 +603,17 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
         attend_one<T, FixedD>(qh, kc + t.h * head_stride, vc + t.h * head_stride, tables + t.b * W,
                               ctx[t.b], G, D, bs, scale, qf, acc, scores, buf, out + head * D,
                               extra.lse ? extra.lse + head : nullptr,
-                              extra.mass ? extra.mass + (t.b * Hkv + t.h) * W : nullptr);
+                              extra.mass ? extra.mass + (t.b * Hkv + t.h) * W : nullptr, nullptr, on_tiles);
       } else {
         const int64_t start = t.c * chunk_tokens;
         attend_one<T, FixedD>(qh, kc + t.h * head_stride, vc + t.h * head_stride,
                               tables + t.b * W + start / bs, std::min(chunk_tokens, ctx[t.b] - start), G, D, bs,
                               scale, qf, acc, scores, buf, nullptr, part_lse.data() + task * G, nullptr,
-                              part_out.data() + task * G * D);
+                              part_out.data() + task * G * D, on_tiles);
       }
       t = next;
     }
+    if (on_tiles) release_tiles();
   });
   if (!any_split) return;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {  // merge the split rows' chunks
@@ -872,6 +1099,9 @@ std::tuple<at::Tensor, at::Tensor> need_block_mass(
   return {mass, per_head_column.gather(1, head.unsqueeze(1)).squeeze(1)};
 }
 
+// Whether bf16 decode attention (16-token blocks, head size 64 or 128) runs on AMX tiles here.
+bool has_amx_attention() { return kHaveAmxScores && amx_scores_permitted(); }
+
 }  // namespace
 
 TORCH_LIBRARY(kvreplay_cpu, m) {
@@ -885,4 +1115,5 @@ TORCH_LIBRARY(kvreplay_cpu, m) {
   m.def("prefill_causal(Tensor q, Tensor k, Tensor v, float scale, int offset=0) -> Tensor");
   m.impl("prefill_causal", c10::DispatchKey::CPU, &prefill_causal);
   m.def("has_prefill_causal() -> bool", &has_prefill_causal);
+  m.def("has_amx_attention() -> bool", &has_amx_attention);
 }

@@ -56,10 +56,6 @@
 #include <type_traits>
 #include <vector>
 #include "simd.h"
-#if defined(__AMX_TILE__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -539,20 +535,12 @@ void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT
 // pair's two products in the other order than VDPBF16PS: a few outputs in 10,000 differ from
 // the vector kernel's in the last bf16 bit. A row's result still does not depend on the other
 // rows or their number (tests/test_linear.py).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using kvreplay_amx::TileConfig;
 
-// Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); false when the kernel refuses (then the vector kernel runs), or when
-// KVREPLAY_AMX_PANELS=0 was set before the first call (tests of the vector kernel on such a CPU).
+// Whether the tiles are ours (simd.h); KVREPLAY_AMX_PANELS=0 before the first call keeps the
+// vector kernel (its tests on such a CPU).
 bool amx_permitted() {
-  static const bool ok = [] {
-    const char* env = std::getenv("KVREPLAY_AMX_PANELS");
-    return !(env && std::string(env) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
+  static const bool ok = kvreplay_amx::tiles_granted("KVREPLAY_AMX_PANELS");
   return ok;
 }
 
@@ -569,6 +557,7 @@ void amx_panel(const uint16_t* xa, const uint16_t* xb, int64_t rows_a, int64_t r
     for (int t = 0; t < T; ++t)
       expand_record(q + ((k0 / kQuantBlock) * T + t) * record, record == kQ4_1Record,
                     expanded[(k0 / kQuantBlock) & 1] + t * 2 * kLanes, T * 2 * kLanes);
+    kvreplay_amx::before_tile_loads();
   };
   if (q) expand(0);
   _tile_zero(0);
@@ -699,6 +688,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     if (blocks * r != M) {
       pad.assign(static_cast<size_t>(r * K), 0);
       std::memcpy(pad.data(), xp + last * K, static_cast<size_t>((M - last) * K) * sizeof(uint16_t));
+      kvreplay_amx::before_tile_loads();
     }
     const uint16_t* tail = pad.empty() ? nullptr : pad.data();
     auto run_amx = [&](auto* op) {

@@ -1,5 +1,33 @@
 // SIMD helpers shared by the CPU kernels (decode_attention.cpp, layer_ops.cpp), AVX-512 only.
 #pragma once
+#if defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace kvreplay_amx {
+// The 64-byte operand of LDTILECFG (palette 1): each tile's rows and bytes a row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); false when the kernel refuses, or when the environment variable `off`
+// names is "0" (tests of the vector kernels on a CPU with tiles). Callers keep the answer.
+inline bool tiles_granted(const char* off) {
+  const char* env = std::getenv(off);
+  return !(env && std::string(env) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+// GCC's _tile_loadd is an asm statement that does not tell the compiler it reads memory, so
+// stores into a buffer that only tile loads read can be dropped as dead or moved past the load.
+// Call this between writing such a buffer and loading tiles from it (it emits no instruction).
+inline void before_tile_loads() { __asm__ volatile("" ::: "memory"); }
+}  // namespace kvreplay_amx
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <c10/util/BFloat16.h>
