@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvreplay.kv import huge_pages
 from kvreplay.kv.block_pool import BlockPool
 from kvreplay.kv.cold_pool import ColdPool
 from kvreplay.kv.importance import BlockImportance
@@ -64,8 +65,9 @@ class KVManager:
         # One tensor per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
         # Heads outermost: gathering a batch's blocks yields [Hkv, B, L, D], which batched
         # matmuls take as it is (no per-layer copy to a head-major layout).
-        self.kv_caches = [torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim,
-                                      dtype=dtype, device=device) for _ in range(num_layers)]
+        # On a CPU, 2 MiB pages where Linux gives them (decode reads scattered 2 KiB blocks).
+        self.kv_caches = [huge_pages.zeros(2, num_kv_heads, num_blocks, block_size, head_dim,
+                                           dtype=dtype, device=device) for _ in range(num_layers)]
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self._num_slots: dict[int, int] = {}      # tokens each sequence has room for

@@ -1,0 +1,64 @@
+"""2 MiB pages for the KV pool (kvreplay/kv/huge_pages.py)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvreplay.kv import huge_pages
+from kvreplay.kv.manager import KVManager
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _huge_kib() -> int:
+    """AnonHugePages of this process, in KiB."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    huge_pages._madvise.cache_clear()
+    yield monkeypatch
+    huge_pages._madvise.cache_clear()
+
+
+def test_zeros_is_zeros_on_any_machine(fresh):
+    t = huge_pages.zeros(3, 1 << 20, dtype=torch.bfloat16)
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    small = huge_pages.zeros(2, 3, dtype=torch.float32)  # smaller than one 2 MiB page: left alone
+    assert not huge_pages.advise(small) and not small.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+                    reason="transparent huge pages are off here")
+def test_pool_lands_on_huge_pages_where_linux_gives_them(fresh):
+    fresh.delenv("KVREPLAY_HUGE_PAGES", raising=False)
+    before = _huge_kib()
+    big = huge_pages.zeros(16 << 20, dtype=torch.uint8)  # 16 MiB: at least 7 whole 2 MiB pages inside
+    assert huge_pages.advise(big)
+    assert _huge_kib() - before >= 6 * 2048
+    manager = KVManager(num_blocks=512, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64,
+                        dtype=torch.bfloat16)
+    assert all(not cache.any() for cache in manager.kv_caches)
+    assert _huge_kib() - before >= 6 * 2048 + 2 * 2048  # each 4 MiB layer holds a whole huge page
+
+
+def test_switched_off_by_environment(fresh):
+    fresh.setenv("KVREPLAY_HUGE_PAGES", "0")
+    t = huge_pages.zeros(8 << 20, dtype=torch.uint8)
+    assert not huge_pages.advise(t) and not t.any()
+    assert not huge_pages.advise(torch.zeros(0))  # nothing to advise
