@@ -1,4 +1,4 @@
-"""2 MiB pages for the KV pool (kvreplay/kv/huge_pages.py)."""
+"""2 MiB pages for the KV pool and the panel copies (kvreplay/huge_pages.py)."""
 import os
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvreplay.kv import huge_pages
+from kvreplay import huge_pages
 from kvreplay.kv.manager import KVManager
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -62,3 +62,24 @@ def test_switched_off_by_environment(fresh):
     t = huge_pages.zeros(8 << 20, dtype=torch.uint8)
     assert not huge_pages.advise(t) and not t.any()
     assert not huge_pages.advise(torch.zeros(0))  # nothing to advise
+
+
+def test_panel_copies_move_into_one_buffer_unchanged(fresh):
+    """onto_huge_pages: each projection's panels become a view of one buffer (64-byte aligned),
+    with the same shape, dtype and bytes, and the products give the same bits."""
+    from kvreplay.models.linear import Projection, onto_huge_pages
+    gen = torch.Generator().manual_seed(0)
+    projections = [Projection((torch.randn(n, 64, generator=gen) * 0.1).bfloat16()) for n in (32, 48, 112)]
+    if any(p.panels is None for p in projections):
+        pytest.skip("no panel kernel here")
+    before = [p.panels.clone() for p in projections]
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    outputs = [p(x) for p in projections]
+    moved = onto_huge_pages(projections + [Projection(torch.randn(8, 8))])  # one without panels
+    assert moved == sum(-(-b.numel() * b.element_size() // 64) * 64 for b in before)
+    storages = {p.panels.untyped_storage().data_ptr() for p in projections}
+    assert len(storages) == 1
+    for p, b, out in zip(projections, before, outputs):
+        assert p.panels.data_ptr() % 64 == 0 and p.panels.is_contiguous()
+        assert torch.equal(p.panels, b) and torch.equal(p(x), out)
+    assert onto_huge_pages([]) == 0

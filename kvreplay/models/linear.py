@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvreplay import huge_pages
 from kvreplay.engine import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,26 @@ def _panel_ops(weight: torch.Tensor):
         return None
     ops = cpu_kernels.layer_ops()
     return ops if ops is not None and ops.has_panel_linear() else None
+
+
+def onto_huge_pages(projections: list) -> int:
+    """Move the panel copies of `projections` (CPU) into one buffer on 2 MiB pages where Linux
+    gives them (kvreplay/huge_pages.py): a decode step streams all of them, most smaller than
+    one such page. Same tensors (shape, dtype, bytes), 64-byte aligned views of the buffer.
+    Returns the buffer's bytes (0: nothing moved)."""
+    owners = [p for p in projections if p.panels is not None and p.panels.device.type == "cpu"]
+    sizes = [-(-p.panels.numel() * p.panels.element_size() // 64) * 64 for p in owners]
+    if not owners:
+        return 0
+    arena = huge_pages.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for owner, size in zip(owners, sizes):
+        panels = owner.panels
+        view = arena[offset:offset + panels.numel() * panels.element_size()].view(panels.dtype).view(panels.shape)
+        view.copy_(panels)
+        owner.panels = view
+        offset += size
+    return offset
 
 
 class Projection:

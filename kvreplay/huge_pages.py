@@ -1,8 +1,9 @@
 """Large CPU buffers on 2 MiB pages (Linux transparent huge pages, asked for per buffer).
 
-Decode attention reads a batch's K/V as 2 KiB blocks scattered over the pool: on 4 KiB pages
-nearly every block read is another page, so another TLB miss and page walk, and the hardware
-prefetchers stop at each page's end. Where the kernel's transparent huge pages are in `madvise`
+Decode attention reads a batch's K/V as 2 KiB blocks scattered over the pool, and a decode step
+streams every projection's panel copy (models/linear.py): on 4 KiB pages nearly every block read
+is another page, so another TLB miss and page walk, and the hardware prefetchers stop at each
+page's end. Where the kernel's transparent huge pages are in `madvise`
 mode (common: /sys/kernel/mm/transparent_hugepage/enabled), a buffer gets 2 MiB pages only when
 asked for before it is first touched. `empty` asks (madvise MADV_HUGEPAGE over the buffer's
 2 MiB-aligned inside) and returns it untouched; the caller fills it. Nothing changes where the
@@ -46,6 +47,13 @@ def advise(tensor: torch.Tensor) -> bool:
     start = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
     stop = end // _HUGE_PAGE * _HUGE_PAGE
     return stop > start and madvise(start, stop - start, _MADV_HUGEPAGE) == 0
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.empty, on 2 MiB pages where the machine gives them; untouched (the first write places it)."""
+    tensor = torch.empty(*shape, dtype=dtype, device=device)
+    advise(tensor)
+    return tensor
 
 
 def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
