@@ -96,3 +96,29 @@ def test_decode_steps_bench_times_each_thread_count():
 def test_decode_steps_bench_rejects_bad_arguments(args, message):
     result = _run("decode_steps.py", *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_attention_tiles_bench_times_both_kernels():
+    from kvreplay.engine import cpu_kernels
+    if cpu_kernels.decode_attention() is None:
+        pytest.skip("no compiled decode attention here")
+    result = _run("attention_tiles.py", "--batch", "2", "--context", "40", "--layers", "2", "--rounds", "2",
+                  "--threads", "1", "--placements", "resident,compact")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| placement | tiles, ms | vector, ms | ratio |" in result.stdout
+    rows = {line.split("|")[1].strip(): line.split("|") for line in result.stdout.splitlines()
+            if line.startswith("| resident |") or line.startswith("| compact |")}
+    assert set(rows) == {"resident", "compact"}
+    for cells in rows.values():
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].strip().endswith("x")
+    import torch
+    if not torch.ops.kvreplay_cpu.has_amx_attention():
+        assert "no AMX tiles here" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [(["--rounds", "0"], "expected a positive integer"),
+                                          (["--placements", "nowhere"], "placements are resident"),
+                                          (["--layers", "x"], "expected a positive integer")])
+def test_attention_tiles_bench_rejects_bad_arguments(args, message):
+    result = _run("attention_tiles.py", *args)
+    assert result.returncode == 2 and message in result.stderr
