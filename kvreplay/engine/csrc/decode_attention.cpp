@@ -26,6 +26,7 @@
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <limits>
@@ -229,9 +230,12 @@ inline void block_values16(const float*, const T*, int64_t, int64_t, int64_t, fl
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 constexpr bool kHaveAmxScores = true;
 
+// The tiles once granted (simd.h), and KVREPLAY_AMX_ATTENTION not "0" at this call (read each
+// call, so that bench/attention_tiles.py can time both paths in one process).
 bool amx_scores_permitted() {
-  static const bool ok = kvreplay_amx::tiles_granted("KVREPLAY_AMX_ATTENTION");
-  return ok;
+  static const bool granted = kvreplay_amx::tiles_granted("");
+  const char* env = std::getenv("KVREPLAY_AMX_ATTENTION");
+  return granted && !(env && env[0] == '0' && env[1] == '\0');
 }
 
 // Every tile 16 rows x 64 bytes, set once per thread and call. The score pass uses tiles 0 and 7

@@ -17,9 +17,10 @@ struct alignas(64) TileConfig {
 
 // Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); false when the kernel refuses, or when the environment variable `off`
-// names is "0" (tests of the vector kernels on a CPU with tiles). Callers keep the answer.
+// names (none if empty) is "0" (tests of the vector kernels on a CPU with tiles). Callers keep
+// the answer.
 inline bool tiles_granted(const char* off) {
-  const char* env = std::getenv(off);
+  const char* env = off && *off ? std::getenv(off) : nullptr;
   return !(env && std::string(env) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 // GCC's _tile_loadd is an asm statement that does not tell the compiler it reads memory, so
