@@ -39,7 +39,7 @@ def empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -
     raw = torch.frombuffer(region, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     try:
-        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE or HUGE_PAGE)
+        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)  # whole pages inside
     except OSError:  # the kernel says no (transparent huge pages off): 4 KiB pages then
         pass
     return raw[offset:offset + nbytes].view(dtype).view(shape)

@@ -1,5 +1,4 @@
 """2 MiB pages for the KV pool and the panel copies (kvreplay/huge_pages.py)."""
-import os
 import sys
 from pathlib import Path
 
