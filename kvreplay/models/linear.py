@@ -123,14 +123,14 @@ def onto_huge_pages(projections: list) -> int:
     one such page. Same tensors (shape, dtype, bytes), 64-byte aligned views of the buffer.
     Returns the buffer's bytes (0: nothing moved)."""
     owners = [p for p in projections if p.panels is not None and p.panels.device.type == "cpu"]
-    sizes = [-(-p.panels.numel() * p.panels.element_size() // 64) * 64 for p in owners]
+    sizes = [-(-p.panels.nbytes // 64) * 64 for p in owners]
     if not owners:
         return 0
     arena = huge_pages.empty(sum(sizes), dtype=torch.uint8)
     offset = 0
     for owner, size in zip(owners, sizes):
         panels = owner.panels
-        view = arena[offset:offset + panels.numel() * panels.element_size()].view(panels.dtype).view(panels.shape)
+        view = arena[offset:offset + panels.nbytes].view(panels.dtype).view(panels.shape)
         view.copy_(panels)
         owner.panels = view
         offset += size

@@ -233,9 +233,8 @@ constexpr bool kHaveAmxScores = true;
 // The tiles once granted (simd.h), and KVREPLAY_AMX_ATTENTION not "0" at this call (read each
 // call, so that bench/attention_tiles.py can time both paths in one process).
 bool amx_scores_permitted() {
-  static const bool granted = kvreplay_amx::tiles_granted("");
-  const char* env = std::getenv("KVREPLAY_AMX_ATTENTION");
-  return granted && !(env && env[0] == '0' && env[1] == '\0');
+  static const bool granted = kvreplay_amx::tiles_granted();
+  return granted && !kvreplay_amx::switched_off("KVREPLAY_AMX_ATTENTION");
 }
 
 // Every tile 16 rows x 64 bytes, set once per thread and call. The score pass uses tiles 0 and 7
@@ -359,11 +358,11 @@ inline void values_on_tiles(const float* probs, const c10::BFloat16* vh, const i
     for (int64_t g = 0; g < G; ++g) {
       const __m512 p0 = _mm512_maskz_loadu_ps(first, probs + g * L + t0);
       const __m512 p1 = _mm512_maskz_loadu_ps(second, probs + g * L + t0 + 16);
-      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-      const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-      const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-      _mm512_store_si512(hi[g], h);
-      _mm512_store_si512(lo[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0)));
+      __m256i lo0, lo1;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi[g]), kvreplay_simd::split_bf16(p0, &lo0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi[g] + 16), kvreplay_simd::split_bf16(p1, &lo1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lo[g]), lo0);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lo[g] + 16), lo1);
     }
     for (int half = 0; half < 2; ++half) {
       const int64_t blk = t0 / bs + half;
@@ -431,6 +430,10 @@ inline void store_rows(const float* acc, T* o, int64_t n) {
   for (; i < n; ++i) o[i] = static_cast<T>(acc[i]);
 }
 
+// The element types and head sizes the tiles take (with 16-token blocks and G <= 16, checked per call).
+template <typename T, int FixedD>
+constexpr bool kTilesTake = kHaveAmxScores && std::is_same_v<T, c10::BFloat16> && (FixedD == 64 || FixedD == 128);
+
 // One (sequence, KV head) pair: G query rows against the L keys and values listed by `table`.
 // FixedD > 0 makes the head size a compile-time constant (unrolled, vectorized dot products).
 // `scores` holds G * L floats, `buf` one widened block (bs * D floats).
@@ -447,8 +450,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   constexpr bool fast = kHaveAvx512 && kLoads16<T> && FixedD > 0 && FixedD % 16 == 0;
   const bool blocks16 = fast && bs == 16;
   // on_tiles: the caller set attention_tiles_config (bf16, D 64 or 128, G <= 16, 16-token blocks)
-  constexpr bool tiles_able = kHaveAmxScores && std::is_same_v<T, c10::BFloat16> && (FixedD == 64 || FixedD == 128);
-  if constexpr (tiles_able) {
+  if constexpr (kTilesTake<T, FixedD>) {
     if (on_tiles) load_query_tiles<FixedD>(reinterpret_cast<const c10::BFloat16*>(q), G);
   }
   if constexpr (fast) {
@@ -462,7 +464,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
     prefetch_to_l2(vh + table[blk] * bs * D, bs * D);
   };
   bool scored = false;
-  if constexpr (tiles_able) {
+  if constexpr (kTilesTake<T, FixedD>) {
     if (on_tiles) {
       auto keys = [&](int64_t blk) { return reinterpret_cast<const c10::BFloat16*>(kh + table[blk] * bs * D); };
       scores_on_tiles<FixedD>(keys, prefetch, nblocks, bs, L, G, scale, scores);
@@ -523,7 +525,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
     }
   }
   bool valued = false;
-  if constexpr (tiles_able && FixedD == 64) {
+  if constexpr (kTilesTake<T, FixedD> && FixedD == 64) {
     if (on_tiles) {
       values_on_tiles(scores, reinterpret_cast<const c10::BFloat16*>(vh), table, L, G, bs, acc);
       valued = true;
@@ -584,7 +586,7 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
     const int64_t chunks = (first[b + 1] - first[b]) / Hkv, local = task - first[b];
     return Task{b, local / chunks, local % chunks, chunks};
   };
-  const bool on_tiles = std::is_same_v<T, c10::BFloat16> && (FixedD == 64 || FixedD == 128) && bs == 16 &&
+  const bool on_tiles = kTilesTake<T, FixedD> && bs == 16 &&
                         G <= 16 && amx_scores_permitted();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     if (on_tiles) attention_tiles_config();
@@ -833,11 +835,9 @@ void prefill_causal_rows(const c10::BFloat16* q, const c10::BFloat16* k, const c
           __m512 p = _mm512_mul_ps(_mm512_loadu_ps(sr + c), _mm512_set1_ps(inv));
           if (c + 15 > last)
             p = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(lanes, _mm512_set1_epi32(static_cast<int>(last - c))), p);
-          const __m256bh hi = _mm512_cvtneps_pbh(p);  // p = hi + lo, two bf16 parts (~16 bits)
-          const __m512 hi32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)hi);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + Lp * R + c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hi32)));
+          __m256i lo;  // p = hi + lo, two bf16 parts (~16 bits)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), kvreplay_simd::split_bf16(p, &lo));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + Lp * R + c), lo);
         }
       }
       const uint32_t* vh = vp.data() + h * (Lp / 2) * NC * 16;

@@ -77,8 +77,7 @@ inline void st(c10::BFloat16* p, __m512 v) {
 }
 inline __m512 rnd(__m512 v, float*) { return v; }
 inline __m512 rnd(__m512 v, c10::BFloat16*) {
-  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  return kvreplay_simd::widen16((__m256i)_mm512_cvtneps_pbh(v));
 }
 inline __m512 neg(__m512 v) {  // flips the sign bit, as PyTorch's neg (0 -> -0)
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
@@ -470,8 +469,7 @@ inline void store_rounded(uint16_t* out, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
 }
 inline void store_rounded(float* out, __m512 v) {
-  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-  _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  _mm512_storeu_ps(out, kvreplay_simd::widen16((__m256i)_mm512_cvtneps_pbh(v)));
 }
 
 // MB rows of x against one panel of T tiles: MB x T accumulators stay in registers.
@@ -540,7 +538,7 @@ using kvreplay_amx::TileConfig;
 // Whether the tiles are ours (simd.h); KVREPLAY_AMX_PANELS=0 before the first call keeps the
 // vector kernel (its tests on such a CPU).
 bool amx_permitted() {
-  static const bool ok = kvreplay_amx::tiles_granted("KVREPLAY_AMX_PANELS");
+  static const bool ok = !kvreplay_amx::switched_off("KVREPLAY_AMX_PANELS") && kvreplay_amx::tiles_granted();
   return ok;
 }
 

@@ -16,12 +16,14 @@ struct alignas(64) TileConfig {
 };
 
 // Linux hands a process the tile registers once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); false when the kernel refuses, or when the environment variable `off`
-// names (none if empty) is "0" (tests of the vector kernels on a CPU with tiles). Callers keep
-// the answer.
-inline bool tiles_granted(const char* off) {
-  const char* env = off && *off ? std::getenv(off) : nullptr;
-  return !(env && std::string(env) == "0") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+// XFEATURE_XTILEDATA); false when the kernel refuses. Callers keep the answer.
+inline bool tiles_granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+// Whether the environment variable `name` is "0": the kernels' switches off the tiles (tests and
+// benches of the vector code on a CPU with tiles).
+inline bool switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == "0";
 }
 // GCC's _tile_loadd is an asm statement that does not tell the compiler it reads memory, so
 // stores into a buffer that only tile loads read can be dropped as dead or moved past the load.
@@ -75,11 +77,23 @@ inline __m512 lane_sums16(const __m512* p) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-// 16 values widened to fp32 (bf16 -> fp32 is a 16-bit shift)
+// 16 bf16 values widened to fp32 (bf16 -> fp32 is a 16-bit shift)
+inline __m512 widen16(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+
+// 16 values widened to fp32
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 load16(const c10::BFloat16* src) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
+
+#if defined(__AVX512BF16__)
+// p in two bf16 parts, returned hi = bf16(p) and *lo = bf16(p - hi): together ~16 significant
+// bits of p, where one bf16 carries 8 (probabilities fed to bf16 products)
+inline __m256i split_bf16(__m512 p, __m256i* lo) {
+  const __m256i hi = (__m256i)_mm512_cvtneps_pbh(p);
+  *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, widen16(hi)));
+  return hi;
+}
+#endif
 }  // namespace kvreplay_simd
 #endif
