@@ -185,14 +185,15 @@ def test_greedy_sampling_uses_the_compiled_argmax(ops, monkeypatch):
 
 
 def _fused_and_python_runs(llm, prompts, params) -> dict:
-    """Generate `prompts` once through decode_layer and once through the Python layer code
+    """Generate `prompts` once through decode_layer(s) and once through the Python layer code
     (fused_rows 0), checking the blocks every step. Per run: tokens, every step's logits and
-    recorded block importance, and per step (decode_layer calls, whether it was a decode-only
-    step with a need probe)."""
+    recorded block importance, and per step (layers run compiled, whether it was a decode-only
+    step with a need probe, layers run by decode_layers)."""
     model = llm.engine.runner.model
     if not any(model.fused_rows):
         pytest.skip("no panel kernel on this CPU: decode_layer is never used")
     fused_rows, original_forward, original_layer = model.fused_rows, model.forward, model.decode_layer
+    original_stack = model.decode_layers
     runs = {label: {"logits": [], "masses": [], "steps": []} for label in ("fused", "python")}
     calls = []
 
@@ -202,7 +203,7 @@ def _fused_and_python_runs(llm, prompts, params) -> dict:
             out = original_forward(*args, **kwargs)
             input_ids, meta = args[0], args[3]
             decode_only = not meta.prefills and meta.num_decode_tokens == input_ids.shape[0]
-            run["steps"].append((len(calls), decode_only and meta.probe is not None))
+            run["steps"].append((len(calls), decode_only and meta.probe is not None, calls.count("stack")))
             run["logits"].append(out.clone())
             if meta.decode_mass is not None:
                 run["masses"].append(meta.decode_mass.clone())
@@ -210,11 +211,15 @@ def _fused_and_python_runs(llm, prompts, params) -> dict:
         return forward
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append("layer")
         return original_layer(*args, **kwargs)
 
+    def counted_stack(delta, cos, sin, kv_caches, meta):
+        calls.extend(["stack"] * len(kv_caches))
+        return original_stack(delta, cos, sin, kv_caches, meta)
+
     try:
-        model.decode_layer = counted
+        model.decode_layer, model.decode_layers = counted, counted_stack
         for label, rows in (("fused", fused_rows), ("python", [0] * len(fused_rows))):
             model.fused_rows = rows
             model.forward = capture(runs[label])
@@ -222,8 +227,8 @@ def _fused_and_python_runs(llm, prompts, params) -> dict:
             runs[label]["tokens"] = [o.token_ids for o in outs]
     finally:
         model.fused_rows = fused_rows
-        del model.forward, model.decode_layer
-    assert all(n == 0 for n, _ in runs["python"]["steps"])
+        del model.forward, model.decode_layer, model.decode_layers
+    assert all(n == 0 for n, _, _ in runs["python"]["steps"])
     return runs
 
 
@@ -247,8 +252,9 @@ def test_decode_layer_gives_the_layer_codes_bits(ops):
     prompts = [corpus[:600], corpus[1000:1040], corpus[2000:2003]]
     runs = _fused_and_python_runs(llm, prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     num_layers = llm.engine.model.config.num_layers
-    # the 5 decode steps after the prefill, every layer
-    assert sum(n for n, _ in runs["fused"]["steps"]) == 5 * num_layers
+    # the 5 decode steps after the prefill, every layer, in one decode_layers call a step
+    assert sum(n for n, _, _ in runs["fused"]["steps"]) == 5 * num_layers
+    assert sum(stacked for _, _, stacked in runs["fused"]["steps"]) == 5 * num_layers
     assert len(runs["fused"]["logits"]) >= 6  # prompt chunks, then 5 decode steps
     _assert_same_bits(runs)
 
@@ -282,6 +288,93 @@ def test_decode_layer_rejects_bad_weights(ops):
     assert written.any()  # (the good call did write its tokens' K/V)
 
 
+def _tiny_stack(ops, layers: int, bias: bool):
+    """Random layers of a tiny model for decode_layer(s): per-layer weights and biases in
+    decode_layers' order, one cache per layer, and the step's shared arguments."""
+    H, D, Hq, Hkv, F = 64, 16, 4, 2, 96
+    bf = torch.bfloat16
+    panels = lambda out, inp: ops.pack_panels((torch.randn(out, inp) / inp ** 0.5).to(bf))  # noqa: E731
+    vector = lambda n: (torch.randn(n) * 0.1).to(bf) if bias else None  # noqa: E731
+    weights, biases = [], []
+    for _ in range(layers):
+        weights += [(1 + 0.1 * torch.randn(H)).to(bf), (1 + 0.1 * torch.randn(H)).to(bf),
+                    panels((Hq + 2 * Hkv) * D, H), panels(H, Hq * D), panels(2 * F, H), panels(H, F)]
+        biases += [vector((Hq + 2 * Hkv) * D), vector(H), vector(2 * F), vector(H)]
+    caches = [(torch.randn(2, Hkv, 4, 16, D) * 0.5).to(bf) for _ in range(layers)]
+    angles = torch.randn(3, D)
+    step = dict(cos=angles.cos().to(bf), sin=angles.sin().to(bf), num_q=Hq, num_kv=Hkv,
+                slot_mapping=torch.tensor([5, 16 + 20, 48 + 2]),
+                block_tables=torch.tensor([[0, 3], [2, 1], [3, 0]]), context_lens=torch.tensor([6, 21, 3]),
+                scale=D ** -0.5)
+    return H, weights, biases, caches, step
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_decode_layers_equal_decode_layer_one_by_one(ops, bias, residual):
+    """decode_layers over a stack (its layers sharing buffers, the residual written in place)
+    gives decode_layer's outputs, masses and cache writes layer by layer, bit for bit, and leaves
+    its inputs as they were."""
+    if not hasattr(ops, "decode_layers") or not ops.has_panel_linear():
+        pytest.skip("no panel kernel on this CPU")
+    built_or_skip(cpu_kernels.decode_attention(), "CPU decode kernel")
+    torch.manual_seed(0)
+    H, weights, biases, caches, step = _tiny_stack(ops, 3, bias)
+    delta = torch.randn(3, H).to(torch.bfloat16)
+    stream = torch.randn(3, H).to(torch.bfloat16) if residual else None
+    kept = (delta.clone(), None if stream is None else stream.clone())
+    one_by_one = [c.clone() for c in caches]
+    d, r, masses = delta, stream, []
+    for i, cache in enumerate(one_by_one):
+        norms_and_panels, b = weights[6 * i:6 * i + 6], biases[4 * i:4 * i + 4]
+        d, r, mass = ops.decode_layer(d, r, norms_and_panels[0], norms_and_panels[1], 1e-5,
+                                      norms_and_panels[2], b[0], norms_and_panels[3], b[1], norms_and_panels[4], b[2],
+                                      norms_and_panels[5], b[3], step["cos"], step["sin"], step["num_q"],
+                                      step["num_kv"], cache, step["slot_mapping"], step["block_tables"],
+                                      step["context_lens"], step["scale"], True)
+        masses.append(mass)
+    out, hidden, stacked = ops.decode_layers(delta, stream, weights, biases, 1e-5, step["cos"], step["sin"],
+                                             step["num_q"], step["num_kv"], caches, step["slot_mapping"],
+                                             step["block_tables"], step["context_lens"], step["scale"], True)
+    assert torch.equal(out, d) and torch.equal(hidden, r)
+    assert len(stacked) == 3 and all(torch.equal(a, b) for a, b in zip(stacked, masses))
+    assert all(torch.equal(a, b) for a, b in zip(caches, one_by_one))
+    assert torch.equal(delta, kept[0]) and (stream is None or torch.equal(stream, kept[1]))
+    _, _, none = ops.decode_layers(delta, stream, weights, biases, 1e-5, step["cos"], step["sin"], step["num_q"],
+                                   step["num_kv"], caches, step["slot_mapping"], step["block_tables"],
+                                   step["context_lens"], step["scale"])
+    assert none == []  # masses only when asked for
+
+
+def test_decode_layers_rejects_a_bad_stack_before_writing(ops):
+    """Wrong list lengths, a wrong weight or cache in any layer: a clear error naming the layer,
+    raised before any layer's cache is written."""
+    if not hasattr(ops, "decode_layers") or not ops.has_panel_linear():
+        pytest.skip("no panel kernel on this CPU")
+    built_or_skip(cpu_kernels.decode_attention(), "CPU decode kernel")
+    H, weights, biases, caches, step = _tiny_stack(ops, 3, False)
+    delta = torch.randn(3, H).to(torch.bfloat16)
+    before = [c.clone() for c in caches]
+
+    def call(w=weights, b=biases, c=caches, d=delta):
+        return ops.decode_layers(d, None, w, b, 1e-5, step["cos"], step["sin"], step["num_q"], step["num_kv"],
+                                 c, step["slot_mapping"], step["block_tables"], step["context_lens"], step["scale"])
+
+    wrong_o = weights[:6 * 2 + 3] + [ops.pack_panels(torch.randn(H, 32).to(torch.bfloat16))] + weights[6 * 2 + 4:]
+    wrong_cache = caches[:1] + [caches[1][:, :, :2].contiguous()] + caches[2:]
+    for kwargs, message in ((dict(w=weights[:-1]), "3 caches need 6 weights and 4 biases a layer"),
+                            (dict(b=biases[:4]), "3 caches need 6 weights and 4 biases a layer"),
+                            (dict(c=[]), "0 caches"),
+                            (dict(w=wrong_o), "layer 2 o weight is"),
+                            (dict(c=wrong_cache), "layer 1 kv_cache differs"),
+                            (dict(d=delta.float()), "delta must be a contiguous bf16")):
+        with pytest.raises(RuntimeError, match=message):
+            call(**kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before))  # nothing written
+    out, _, _ = call()
+    assert out.shape == (3, H) and not all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
 def test_decode_layer_leaves_the_need_detectors_layers_to_the_layer_code(ops):
     """With the replay policy's need detector reading layers 20-23, a decode step runs the other
     layers through decode_layer and those four through the layer code (which hands the detector
@@ -295,8 +388,25 @@ def test_decode_layer_leaves_the_need_detectors_layers_to_the_layer_code(ops):
     prompts = [corpus[:1200], corpus[3000:4000]]
     runs = _fused_and_python_runs(llm, prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     num_layers = llm.engine.model.config.num_layers
-    probed = [n for n, probe in runs["fused"]["steps"] if probe]
+    probed = [n for n, probe, stacked in runs["fused"]["steps"] if probe]
     assert probed and set(probed) == {num_layers - 4}  # the detector's four layers in Python
+    assert len(runs["fused"]["masses"]) >= 4
+    _assert_same_bits(runs)
+
+
+def test_decode_layers_hand_on_every_layers_block_mass(ops):
+    """The window policy records block importance at decode without a need probe: its decode
+    steps run the whole stack in one decode_layers call, and the mass summed over the layers, the
+    logits and the tokens are the Python layer code's bit for bit."""
+    from kvreplay import LLM, SamplingParams
+    from kvreplay.bench.workload import corpus_token_ids
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False, policy="window",
+              window_tokens=128)
+    corpus = corpus_token_ids(llm.tokenizer)
+    prompts = [corpus[:700], corpus[3000:3300]]
+    runs = _fused_and_python_runs(llm, prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    num_layers = llm.engine.model.config.num_layers
+    assert [stacked for _, _, stacked in runs["fused"]["steps"] if stacked] == [num_layers] * 4
     assert len(runs["fused"]["masses"]) >= 4
     _assert_same_bits(runs)
 

@@ -112,6 +112,13 @@ class LlamaModel:
         self.decode_attention_op = cpu_kernels.decode_attention() if self.layer_ops is not None else None
         fused = fused_decode_enabled()
         self.fused_rows = [self._fused_rows(layer) if fused else 0 for layer in self.layers]
+        # decode_layers' arguments for the whole stack (6 weights and 4 biases a layer), built once
+        self._stack_weights = [layer[name] if name.endswith("norm") else layer[name].panels
+                               for layer in self.layers
+                               for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] \
+            if any(self.fused_rows) else []
+        self._stack_biases = [layer[name].bias for layer in self.layers for name in ("qkv", "o", "gate_up", "down")] \
+            if any(self.fused_rows) else []
 
     def _fused_rows(self, layer: dict) -> int:
         """Most rows layer `layer` takes through decode_layer: every projection must go to the
@@ -152,11 +159,14 @@ class LlamaModel:
         delta, residual = self.embed(input_ids), None  # [T, hidden]
         num_tokens = input_ids.shape[0]
         fused = self._fused_step(meta, num_tokens)
-        for index, kv_cache in enumerate(kv_caches):
-            if fused and num_tokens <= self.fused_rows[index] and (meta.probe is None or meta.probe.skip_layer()):
-                delta, residual = self.decode_layer(index, delta, residual, cos, sin, kv_cache, meta)
-            else:
-                delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
+        if fused and meta.probe is None and num_tokens <= min(self.fused_rows):
+            delta, residual = self.decode_layers(delta, cos, sin, kv_caches, meta)
+        else:
+            for index, kv_cache in enumerate(kv_caches):
+                if fused and num_tokens <= self.fused_rows[index] and (meta.probe is None or meta.probe.skip_layer()):
+                    delta, residual = self.decode_layer(index, delta, residual, cos, sin, kv_cache, meta)
+                else:
+                    delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
         if logit_indices is not None:
             delta, residual = delta[logit_indices], residual[logit_indices]
         return self.logits(delta.contiguous(), residual.contiguous())
@@ -187,6 +197,19 @@ class LlamaModel:
             cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_cache, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_context, self.scale, meta.observe_decode)
         if meta.observe_decode:
+            add_decode_mass(meta, mass)
+        return delta, residual
+
+    def decode_layers(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer through `decode_layer` in one compiled call (decode_layers: no Python
+        between the layers, one set of buffers for all of them); the residual stream starts here."""
+        cfg = self.config
+        delta, residual, masses = self.layer_ops.decode_layers(
+            delta, None, self._stack_weights, self._stack_biases, cfg.rms_norm_eps, cos, sin,
+            cfg.num_heads, cfg.num_kv_heads, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_context, self.scale, meta.observe_decode)
+        for mass in masses:
             add_decode_mass(meta, mass)
         return delta, residual
 

@@ -35,6 +35,9 @@
 //                tables, lengths, scale, want_mass) -> (delta, residual, mass)
 //       A whole decoder layer of a decode-only step: the ops above and the decode attention
 //       kernel in the order kvreplay/models/llama.py calls them (same bits), one call a layer.
+//   decode_layers(delta, residual?, weights[], biases[], eps, cos, sin, heads, kv_caches[], ...)
+//       -> (delta, residual, masses[])
+//       decode_layer over a stack of layers in one call, the layers sharing one set of buffers.
 //   argmax_rows(x) -> for each row of a 2-D fp32 tensor, the index of its largest value, the
 //       first one on ties, a NaN's when the row has one: torch.argmax's answer. At 32 rows of
 //       49,152 logits torch.argmax takes ~0.7 ms here, most of it outside the memory reads.
@@ -114,6 +117,7 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
         if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16) _mm512_storeu_ps(h + i, ld(xr + i));
 #endif
         for (; i < H; ++i) h[i] = f32(xr[i]);
+        if (hidden) std::memcpy(hidden + r * H, xr, H * sizeof(T));  // the stream starts as x
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -128,6 +132,18 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
 #endif
       for (; i < H; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(h[i] * inv));
     }
+  });
+}
+
+// add_rms_norm writing into `out` and `hidden` ([T, H] like x; hidden may be the residual itself,
+// each element is read before it is written). Without a residual, hidden gets a copy of x.
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out, at::Tensor& hidden) {
+  const int64_t rows = x.size(0), H = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), rows, H,
+                       static_cast<float>(eps));
   });
 }
 
@@ -256,16 +272,19 @@ void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t F) {
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// `out`: [T, F] to write into, or undefined for a new tensor
+at::Tensor silu_mul_into(const at::Tensor& gate_up, at::Tensor out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
               "silu_mul: gate_up must be a contiguous [T, 2F] tensor");
   const int64_t rows = gate_up.size(0), F = gate_up.size(1) / 2;
-  auto out = at::empty({rows, F}, gate_up.options());
+  if (!out.defined()) out = at::empty({rows, F}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
     silu_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, F);
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return silu_mul_into(gate_up, at::Tensor()); }
 
 // ---- panel_linear: y = x W^T (+ b) for up to a few dozen rows ----
 // pack_panels lays W out once in panels of kPanelTiles x 16 output rows; inside a panel, for each
@@ -644,8 +663,9 @@ std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* na
   return {packed.size(0) * kLanes, packed.size(1) * 2};
 }
 
+// `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         bool widen, const char* name) {
+                         bool widen, const char* name, at::Tensor out = at::Tensor()) {
   const auto shape = panel_shape(packed, name);  // plain names: lambdas below capture them
   const int64_t N = shape.first, K = shape.second;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
@@ -657,7 +677,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = x.size(0);
-  auto out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
+  if (!out.defined()) out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
@@ -822,12 +842,95 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// ---- decode_layer: one decoder layer of a decode-only step in one call ----
+// ---- decode_layer / decode_layers: decoder layers of a decode-only step in one call ----
 // The ops above in the order kvreplay/models/llama.py calls them, with the CPU decode attention
 // kernel (kvreplay_cpu::decode_attention, loaded by the caller) in the middle: the same functions
 // on the same tensors, so the same bits, without ~12 Python-level calls a layer (measured ~50 us
-// a layer at batch 1, ~100 at batch 32 on the Xeon of docs/benchmarks.md: 1.5-3 ms a step). With want_mass, the third output is the importance
-// signal attention.py takes from the kernel: per row and block, the largest mass over KV heads.
+// a layer at batch 1, ~100 at batch 32 on the Xeon of docs/benchmarks.md: 1.5-3 ms a step). With
+// want_mass, the mass output is the importance signal attention.py takes from the kernel: per
+// row and block, the largest mass over KV heads. decode_layers runs a stack of layers in one
+// call: the Python call a layer (~28 us at batch 32) goes, and the layers share one set of
+// buffers (allocating ~10 a layer cost ~0.5 ms a batch-32 step in the allocator's free lists).
+struct LayerWeights {
+  at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
+  c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+};
+
+// The weights' shapes for a hidden size H (checked before anything is written); returns F.
+int64_t check_layer(const LayerWeights& w, int64_t H, int64_t num_q, int64_t num_kv, int64_t D,
+                    const std::string& where) {
+  auto check = [&](const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
+    const std::string what = where + name;
+    const auto [N, K] = panel_shape(packed, what.c_str());
+    TORCH_CHECK((n < 0 || N == n) && K == k, what, " weight is [", N, ", ", K,
+                "], expected [", n < 0 ? "any" : std::to_string(n), ", ", k, "]");
+    return N;
+  };
+  check(w.qkv, (num_q + 2 * num_kv) * D, H, "qkv");
+  check(w.o, H, num_q * D, "o");
+  const int64_t F = check(w.gate_up, -1, H, "gate_up") / 2;
+  check(w.down, H, F, "down");
+  for (const auto* norm : {&w.input_norm, &w.post_norm})
+    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == H && norm->is_contiguous(),
+                where, "norm weights must be contiguous [", H, "]");
+  return F;
+}
+
+// Where a layer writes: x and gate_up / mlp are scratch, delta (the layer's output) and hidden
+// (the residual stream) carry on to the next layer.
+struct LayerBuffers {
+  at::Tensor x, hidden, delta, qkv, gate_up, mlp;
+};
+
+LayerBuffers layer_buffers(const at::Tensor& delta, int64_t qkv_width, int64_t F) {
+  const int64_t T_ = delta.size(0), H = delta.size(1);
+  const auto options = delta.options();
+  return {at::empty({T_, H}, options), at::empty({T_, H}, options), at::empty({T_, H}, options),
+          at::empty({T_, qkv_width}, options), at::empty({T_, 2 * F}, options), at::empty({T_, F}, options)};
+}
+
+// One layer from delta and the residual stream (null: it starts at this layer) into buf.delta
+// and buf.hidden; either input may be those buffers themselves. Returns the mass (see above).
+at::Tensor run_layer(const at::Tensor& delta, const at::Tensor* residual, const LayerWeights& w, double eps,
+                     const at::Tensor& cos, const at::Tensor& sin, int64_t num_q, int64_t num_kv,
+                     at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, double scale, bool want_mass, LayerBuffers& buf) {
+  static const auto attention =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvreplay_cpu::decode_attention", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, double, bool, bool)>();
+  const int64_t T_ = delta.size(0), D = kv_cache.size(4);
+  add_rms_norm_into(delta, residual, w.input_norm, eps, buf.x, buf.hidden);
+  panel_product(buf.x, w.qkv, w.qkv_bias, false, "decode_layer: qkv", buf.qkv);
+  rope_write_cache(buf.qkv, cos, sin, num_q, num_kv, kv_cache, slot_mapping);
+  const auto q = buf.qkv.view({T_, -1, D}).narrow(1, 0, num_q);
+  const auto caches = kv_cache.unbind(0);
+  const auto [attn, lse, mass] =
+      attention.call(q, caches[0], caches[1], block_tables, context_lens, scale, false, want_mass);
+  panel_product(attn.view({T_, num_q * D}), w.o, w.o_bias, false, "decode_layer: o", buf.delta);
+  add_rms_norm_into(buf.delta, &buf.hidden, w.post_norm, eps, buf.x, buf.hidden);
+  panel_product(buf.x, w.gate_up, w.gate_up_bias, false, "decode_layer: gate_up", buf.gate_up);
+  silu_mul_into(buf.gate_up, buf.mlp);
+  panel_product(buf.mlp, w.down, w.down_bias, false, "decode_layer: down", buf.delta);
+  return want_mass ? mass.amax(1) : mass;
+}
+
+void check_stream(const at::Tensor& delta, const c10::optional<at::Tensor>& residual, const char* name) {
+  TORCH_CHECK(delta.dim() == 2 && delta.is_contiguous() && delta.scalar_type() == at::kBFloat16,
+              name, ": delta must be a contiguous bf16 [T, H] tensor");
+  if (residual.has_value() && residual->defined())
+    TORCH_CHECK(residual->sizes() == delta.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == delta.scalar_type(), name, ": residual must match delta");
+}
+
+void check_cache(const at::Tensor& kv_cache, int64_t num_kv, const char* name) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(1) == num_kv &&
+              kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16,
+              name, ": kv_cache must be a contiguous bf16 [2, ", num_kv, ", blocks, block_size, D] tensor");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& delta, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
@@ -836,37 +939,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const c10::optional<at::Tensor>& down_bias, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
     int64_t num_kv, at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, double scale, bool want_mass) {
-  static const auto attention =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvreplay_cpu::decode_attention", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                const at::Tensor&, const at::Tensor&,
-                                                                const at::Tensor&, double, bool, bool)>();
-  TORCH_CHECK(delta.dim() == 2 && kv_cache.dim() == 5, "decode_layer: delta [T, H] and kv_cache [2, Hkv, blocks, bs, D] expected");
-  const int64_t T_ = delta.size(0), H = delta.size(1), D = kv_cache.size(4);
+  check_stream(delta, residual, "decode_layer");
+  check_cache(kv_cache, num_kv, "decode_layer");
+  const LayerWeights w{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, gate_up_bias, down_bias};
   // the weights' shapes first, so that a wrong one fails before the cache is written
-  auto check = [](const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
-    const auto [N, K] = panel_shape(packed, name);
-    TORCH_CHECK((n < 0 || N == n) && K == k, name, " weight is [", N, ", ", K,
-                "], expected [", n < 0 ? "any" : std::to_string(n), ", ", k, "]");
-    return N;
-  };
-  check(qkv, (num_q + 2 * num_kv) * D, H, "decode_layer: qkv");
-  check(o, H, num_q * D, "decode_layer: o");
-  const int64_t F = check(gate_up, -1, H, "decode_layer: gate_up") / 2;
-  check(down, H, F, "decode_layer: down");
-  auto [x, hidden] = add_rms_norm(delta, residual, input_norm, eps);
-  auto fused = panel_product(x, qkv, qkv_bias, false, "decode_layer: qkv");
-  rope_write_cache(fused, cos, sin, num_q, num_kv, kv_cache, slot_mapping);
-  const auto q = fused.view({T_, -1, D}).narrow(1, 0, num_q);
-  const auto caches = kv_cache.unbind(0);
-  const auto [attn, lse, mass] =
-      attention.call(q, caches[0], caches[1], block_tables, context_lens, scale, false, want_mass);
-  auto out = panel_product(attn.view({T_, num_q * D}), o, o_bias, false, "decode_layer: o");
-  auto [x2, hidden2] = add_rms_norm(out, hidden, post_norm, eps);
-  auto mlp = silu_mul(panel_product(x2, gate_up, gate_up_bias, false, "decode_layer: gate_up"));
-  return {panel_product(mlp, down, down_bias, false, "decode_layer: down"), hidden2,
-          want_mass ? mass.amax(1) : mass};
+  const int64_t D = kv_cache.size(4), F = check_layer(w, delta.size(1), num_q, num_kv, D, "decode_layer: ");
+  auto buf = layer_buffers(delta, (num_q + 2 * num_kv) * D, F);
+  const bool has_res = residual.has_value() && residual->defined();
+  auto mass = run_layer(delta, has_res ? &*residual : nullptr, w, eps, cos, sin, num_q, num_kv, kv_cache,
+                        slot_mapping, block_tables, context_lens, scale, want_mass, buf);
+  return {buf.delta, buf.hidden, mass};
+}
+
+// weights: per layer input_norm, post_norm, qkv, o, gate_up, down (6 a layer, in order); biases:
+// per layer those of qkv, o, gate_up, down (4 a layer, None where there is none); one cache a
+// layer. Returns the last layer's (delta, residual) and, with want_mass, each layer's mass.
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> decode_layers(
+    const at::Tensor& delta, const c10::optional<at::Tensor>& residual, at::TensorList weights,
+    const c10::List<c10::optional<at::Tensor>>& biases, double eps, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t num_q, int64_t num_kv, at::TensorList kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, bool want_mass) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L,
+              "decode_layers: ", L, " caches need 6 weights and 4 biases a layer, got ", weights.size(), " and ",
+              biases.size());
+  check_stream(delta, residual, "decode_layers");
+  // every layer's weights and cache before anything is written
+  std::vector<LayerWeights> layers;
+  int64_t F = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const std::string where = "decode_layers: layer " + std::to_string(i) + " ";
+    check_cache(kv_caches[i], num_kv, where.c_str());
+    TORCH_CHECK(kv_caches[i].sizes() == kv_caches[0].sizes(), where, "kv_cache differs from layer 0's");
+    const at::Tensor* lw = weights.data() + 6 * i;
+    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    layers.push_back({lw[0], lw[1], lw[2], lw[3], lw[4], lw[5], bias(0), bias(1), bias(2), bias(3)});
+    const int64_t f = check_layer(layers.back(), delta.size(1), num_q, num_kv, kv_caches[0].size(4), where);
+    TORCH_CHECK(i == 0 || f == F, where, "MLP width ", f, " differs from layer 0's ", F);
+    F = f;
+  }
+  auto buf = layer_buffers(delta, (num_q + 2 * num_kv) * kv_caches[0].size(4), F);
+  const bool has_res = residual.has_value() && residual->defined();
+  const at::Tensor* stream = has_res ? &*residual : nullptr;
+  std::vector<at::Tensor> masses;
+  for (int64_t i = 0; i < L; ++i) {
+    at::Tensor cache = kv_caches[i];
+    auto mass = run_layer(i == 0 ? delta : buf.delta, stream, layers[i], eps, cos, sin, num_q, num_kv, cache,
+                          slot_mapping, block_tables, context_lens, scale, want_mass, buf);
+    if (want_mass) masses.push_back(std::move(mass));
+    stream = &buf.hidden;
+  }
+  return {buf.delta, buf.hidden, masses};
 }
 
 // Whether panel_linear runs rows on AMX tiles here (built for them and allowed by the kernel).
@@ -917,4 +1040,9 @@ TORCH_LIBRARY(kvreplay_layer, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, float scale, bool want_mass=False) "
         "-> (Tensor, Tensor, Tensor)");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.def("decode_layers(Tensor delta, Tensor? residual, Tensor[] weights, Tensor?[] biases, float eps, "
+        "Tensor cos, Tensor sin, int num_q, int num_kv, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, float scale, bool want_mass=False) "
+        "-> (Tensor, Tensor, Tensor[])");
+  m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }
