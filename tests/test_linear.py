@@ -179,3 +179,76 @@ def test_amx_tiles_within_one_rounding_and_rows_independent(rows):
             assert torch.equal(proj.panel_linear(x[row:row + 1], proj.panels, bias), got[row:row + 1])
         widened = proj.panel_linear_float(x, proj.panels, bias)
         assert widened.dtype == torch.float32 and torch.equal(widened, got.float())
+
+
+def _argmax_cases(gen, k=64):
+    """(weight, bias, x): ties between outputs (a repeated weight row), a NaN output, rows of
+    -inf, and plain rows."""
+    weight = (torch.randn(112, k, generator=gen) * 0.1).bfloat16()
+    weight[7] = weight[90] = 0  # outputs 7 and 90 equal (their bias) in every row...
+    bias = torch.randn(112, generator=gen).bfloat16()
+    bias[7] = bias[90] = 50  # ... and the largest: the first of them must win
+    nan_bias = bias.clone()
+    nan_bias[61] = float("nan")  # output 61 NaN in every row: torch.argmax answers it
+    return weight, bias, nan_bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 64])
+def test_panel_argmax_is_argmax_of_the_logits(rows):
+    """The greedy LM head: each row's argmax of what panel_linear_float stores (the first on ties,
+    a NaN's index where there is one), without storing it; bias, ties and NaN included."""
+    gen = torch.Generator().manual_seed(200 + rows)
+    weight, bias, nan_bias = _argmax_cases(gen)
+    proj = _panel_projection(weight, bias)
+    if proj.panel_argmax is None:
+        pytest.skip("layer ops without panel_argmax")
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    for b in (bias, nan_bias, None):
+        logits = proj.panel_linear_float(x, proj.panels, b)
+        got = proj.panel_argmax(x, proj.panels, b)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+    assert (proj.panel_argmax(x, proj.panels, bias) == 7).all()  # the first of the tied leaders
+    assert (proj.panel_argmax(x, proj.panels, nan_bias) == 61).all()
+    plain = torch.randn(rows, 64, generator=gen).bfloat16()
+    assert torch.equal(proj.argmax(plain), proj.float_output(plain).argmax(-1))
+    assert torch.equal(Projection(weight.float(), bias.float()).argmax(plain.float()),
+                       F.linear(plain.float(), weight.float(), bias.float()).argmax(-1))  # no panels: plain
+    with pytest.raises(RuntimeError, match="panel_argmax: x must be"):
+        proj.panel_argmax(torch.randn(1, 32).bfloat16(), proj.panels, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        proj.panel_argmax(x, proj.panels, torch.zeros(5).bfloat16())
+    assert proj.panel_argmax(torch.zeros(0, 64).bfloat16(), proj.panels, None).shape == (0,)
+
+
+def test_panel_argmax_on_the_vector_kernel(tmp_path):
+    """KVREPLAY_AMX_PANELS=0 (read once per process, hence a subprocess): the vector kernel's
+    argmax is the argmax of its logits too, for bf16 and Q8_0 panels."""
+    import os
+    import subprocess
+    import sys
+    ops = cpu_kernels.layer_ops()
+    if ops is None or not ops.has_panel_linear() or not hasattr(ops, "panel_argmax"):
+        pytest.skip("no panel kernel here")
+    script = tmp_path / "vector.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_linear import _argmax_cases\n"
+        "from test_quant_panels import _blocks\n"
+        "from kvreplay.engine import cpu_kernels\n"
+        "ops = cpu_kernels.layer_ops()\n"
+        "assert not ops.has_amx_panels()\n"
+        "gen = torch.Generator().manual_seed(9)\n"
+        "weight, bias, nan_bias = _argmax_cases(gen)\n"
+        "panels = [ops.pack_panels(weight), ops.pack_quant_panels(torch.from_numpy(_blocks('Q8_0', 112, 64, seed=4)), 64, 'Q8_0')]\n"
+        "for packed in panels:\n"
+        "    for rows in (1, 9, 32, 100):\n"
+        "        x = torch.randn(rows, 64, generator=gen).bfloat16()\n"
+        "        for b in (bias, nan_bias, None):\n"
+        "            logits = ops.panel_linear_float(x, packed, b)\n"
+        "            assert torch.equal(ops.panel_argmax(x, packed, b), logits.argmax(-1)), rows\n"
+        "print('vector argmax ok')\n")
+    env = {**os.environ, "KVREPLAY_AMX_PANELS": "0"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "vector argmax ok" in result.stdout

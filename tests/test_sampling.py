@@ -115,3 +115,40 @@ def test_n_returns_independent_seeded_branches(llm32):
 def test_bad_sampling_params_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_greedy_steps_take_the_lm_heads_argmax():
+    """A step whose every sampling sequence is plain greedy asks the model for tokens (the LM head
+    keeps each row's maximum instead of storing logits): the tokens are those of the logits path
+    bit for bit. A sampled request, logprobs or n > 1 in the batch keep the logits."""
+    from kvreplay import LLM
+    llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False)
+    engine = llm.engine
+    runner_run, argmax_only = engine.runner.run, type(engine)._argmax_only
+    flags = []
+    engine.runner.run = lambda batch, greedy=False: flags.append(greedy) or runner_run(batch, greedy=greedy)
+    prompts = ["The weather today", PROMPT, "def main():", "1, 2, 3,"]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        fast = [o.token_ids for o in llm.generate(prompts, greedy, on_step=_check)]
+        assert flags and all(flags)
+        flags.clear()
+        engine._argmax_only = lambda batch: False  # the logits path, as sampling takes it
+        slow = [o.token_ids for o in llm.generate(prompts, greedy, on_step=_check)]
+        assert not any(flags)
+        assert fast == slow
+        del engine._argmax_only
+        for other in (SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True),
+                      SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)):
+            flags.clear()
+            outs = llm.generate(prompts[:2], [greedy, other], on_step=_check)
+            assert len(flags) >= 10 and not any(flags)  # the other request's rows need logits every step
+            assert outs[0].token_ids == fast[0]
+        flags.clear()
+        forked = llm.generate(prompts[:2], [greedy, SamplingParams(max_tokens=10, temperature=0, n=2, ignore_eos=True)])
+        assert flags[0] is False  # the branches take their first tokens from the prompt's logits...
+        assert all(flags[1:])  # ... then every row is plain greedy
+        assert [c.token_ids for c in forked[1].outputs] == [fast[1]] * 2
+    finally:
+        engine.runner.run = runner_run
+    assert argmax_only is type(engine)._argmax_only

@@ -12,7 +12,7 @@ from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.kv_manager import KVManager
 from kvreplay.engine.model_runner import ModelRunner
-from kvreplay.engine.scheduler import Scheduler
+from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.models.llama import LlamaModel
 from kvreplay.models.loader import load_model
@@ -226,7 +226,8 @@ class LLMEngine:
             return []
         self.counters.steps += 1
         started = time.perf_counter()
-        logits, sampled = self.runner.run(batch)
+        greedy = self._argmax_only(batch)
+        logits, sampled = self.runner.run(batch, greedy=greedy)  # with greedy: [S] token ids
         cold = self.runner.last_cold
         if batch.decodes:
             self.counters.decode_seconds += time.perf_counter() - started
@@ -268,7 +269,7 @@ class LLMEngine:
             logits, sampled = step_beams(self, logits, sampled, touched)
         if sampled:
             params = [seq.params for seq in sampled]
-            tokens = sample(logits, params, [seq.generator for seq in sampled])
+            tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
             chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
             want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
             logprob_rows = {}
@@ -294,6 +295,15 @@ class LLMEngine:
             if done or request.stream:
                 outputs.append(self._output(request))
         return outputs
+
+    @staticmethod
+    def _argmax_only(batch: ScheduledBatch) -> bool:
+        """Whether every sequence that may sample this step takes the plain greedy token
+        (temperature 0, no logprobs, no forks or beams): then the model hands back the tokens
+        instead of logits."""
+        seqs = batch.decodes + [seq for seq, _ in batch.prefills] + [seq for seq, _ in batch.layers]
+        return all(seq.params.greedy and seq.params.logprobs is None and not seq.forks and seq.beam is None
+                   for seq in seqs)
 
     def _layered_work(self, start: int, end: int) -> int:
         """Working bytes of a layered prefill of positions [start, end): the residual stream of

@@ -13,6 +13,7 @@ from kvreplay.engine.sequence import LayeredPrefill, Sequence
 from kvreplay.kv.importance import OBSERVED_QUERIES
 from kvreplay.kv.manager import DROPPED
 from kvreplay.models.llama import LlamaModel
+from kvreplay.sampling import greedy_tokens
 
 
 class ModelRunner:
@@ -56,9 +57,10 @@ class ModelRunner:
         block_size = self.kv.block_size
         return table[positions // block_size] * block_size + positions % block_size
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: ScheduledBatch, greedy: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute K/V for every scheduled token. Returns logits [S, V] for the sequences whose
-        known tokens are all computed after this step (they sample), and those sequences."""
+        known tokens are all computed after this step (they sample), and those sequences; with
+        `greedy`, their argmax tokens [S] instead (the LM head keeps no logits)."""
         block_size = self.kv.block_size
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -101,7 +103,7 @@ class ModelRunner:
                 logits = self.graphs.run(input_ids, decode_positions, decode_slots, lengths, tables)
                 if logits is not None:  # else capturing failed: the eager step below
                     self.last_cold = None
-                    return logits, sampled
+                    return (greedy_tokens(logits) if greedy else logits), sampled
             padded = torch.tensor(flat, dtype=torch.long).view(len(tables), width)
             context = torch.tensor(lengths, dtype=torch.long)
             positions.append(torch.tensor(decode_positions, dtype=torch.long))
@@ -139,19 +141,20 @@ class ModelRunner:
             logits = self.model.forward(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.cat(positions).to(self.device), self.kv.kv_caches, meta,
-                torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+                torch.tensor(logit_rows, dtype=torch.long, device=self.device), greedy=greedy)
             if meta.probe is not None and meta.probe.max_mass is not None:
                 self.probed_mass = meta.probe.max_mass.tolist()
                 self.probed_flagged = [blocks[column][0] if column < len(blocks) else None for blocks, column
                                        in zip(self.probed_blocks, meta.probe.flagged.tolist())]
             self._record_importance(batch.decodes, meta, observed)
         else:
-            logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
+            logits = torch.empty((0,) if greedy else (0, self.model.config.vocab_size),
+                                 dtype=torch.long if greedy else torch.float32, device=self.device)
         finished = []
         for seq, layers in batch.layers:
             last = self._run_layers(seq, layers)
             if last is not None:
-                finished.append(last)
+                finished.append(greedy_tokens(last) if greedy else last)
                 sampled.append(seq)
         if finished:
             logits = torch.cat([logits] + finished)

@@ -141,7 +141,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, logit_indices: torch.Tensor | None) -> torch.Tensor:
+                meta: AttentionMetadata, logit_indices: torch.Tensor | None, greedy: bool = False) -> torch.Tensor:
         """Run one step over a flat batch of tokens.
 
         Args:
@@ -150,8 +150,10 @@ class LlamaModel:
             kv_caches: per layer, [2, num_kv_heads, num_blocks, block_size, head_dim].
             meta: where each token's K/V goes and what each query attends to.
             logit_indices: rows of the batch whose logits are wanted (None: all).
+            greedy: return each wanted row's argmax token instead of its logits.
         Returns:
-            [len(logit_indices), vocab] float32 logits.
+            [len(logit_indices), vocab] float32 logits, or with `greedy` [len(logit_indices)]
+            int64 token ids (`logits.argmax(-1)`, computed without storing the logits).
         """
         cos, sin = self.rope(positions)
         # The residual stream is carried as (residual, delta): each norm adds the last sublayer's
@@ -169,6 +171,8 @@ class LlamaModel:
                     delta, residual = self.layer(index, delta, residual, cos, sin, kv_cache, meta)
         if logit_indices is not None:
             delta, residual = delta[logit_indices], residual[logit_indices]
+        if greedy:
+            return self.lm_head.argmax(self.final_norm(delta.contiguous(), residual.contiguous()))
         return self.logits(delta.contiguous(), residual.contiguous())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,11 +183,14 @@ class LlamaModel:
         return (self.rope_cos.index_select(0, positions).to(self.dtype),
                 self.rope_sin.index_select(0, positions).to(self.dtype))
 
+    def final_norm(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream's rows after the last layer, normed: the LM head's input."""
+        norm = self.layer_ops.add_rms_norm if self.layer_ops is not None else add_rms_norm
+        return norm(delta, residual, self.norm, self.config.rms_norm_eps)[0]
+
     def logits(self, delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head: [T, vocab] float32 logits of the residual stream's rows."""
-        norm = self.layer_ops.add_rms_norm if self.layer_ops is not None else add_rms_norm
-        hidden, _ = norm(delta, residual, self.norm, self.config.rms_norm_eps)
-        return self.lm_head.float_output(hidden)
+        return self.lm_head.float_output(self.final_norm(delta, residual))
 
     def decode_layer(self, index: int, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                      sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -31,6 +31,9 @@
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
+//   panel_argmax(x, packed, bias?) -> for each row, argmax_rows(panel_linear_float(...)) without
+//       storing the outputs: the LM head of a greedy step (its 32 x 49,152 fp32 logits written
+//       and read again cost ~0.3 ms a batch-32 step here).
 //   decode_layer(delta, residual?, norms, eps, panels and biases, cos, sin, heads, kv_cache, slots,
 //                tables, lengths, scale, want_mass) -> (delta, residual, mass)
 //       A whole decoder layer of a decode-only step: the ops above and the decode attention
@@ -53,6 +56,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -663,9 +668,73 @@ std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* na
   return {packed.size(0) * kLanes, packed.size(1) * 2};
 }
 
-// `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor
+#if defined(__AVX512BF16__)
+// Each row's largest output over the panels one thread computes, in panel order: 16 lanes per row
+// keep their largest value and its first index (a later equal value does not replace it), and the
+// first NaN is noted (torch.argmax answers a NaN's index, the first). Threads' results merge in
+// the order of their panel ranges.
+struct RowArgmax {
+  int64_t begin = 0;                   // the thread's first panel
+  std::vector<float> best;             // [M, 16]
+  std::vector<int32_t> index;          // [M, 16]
+  std::vector<int64_t> nan;            // [M], -1: none seen
+  explicit RowArgmax(int64_t M, int64_t first)
+      : begin(first), best(M * 16, -std::numeric_limits<float>::infinity()), index(M * 16, INT32_MAX), nan(M, -1) {}
+  // outputs [M, width] (row stride ld) of the panel whose first output is n0
+  void scan(const float* outputs, int64_t ld, int64_t M, int64_t n0, int64_t width) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t m = 0; m < M; ++m) {
+      if (nan[m] >= 0) continue;
+      __m512 b = _mm512_loadu_ps(best.data() + m * 16);
+      __m512i bi = _mm512_loadu_si512(index.data() + m * 16);
+      for (int64_t j = 0; j < width; j += 16) {
+        const __m512 v = _mm512_loadu_ps(outputs + m * ld + j);
+        const __mmask16 unordered = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (unordered) {
+          nan[m] = n0 + j + __builtin_ctz(unordered);
+          break;
+        }
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+        b = _mm512_mask_blend_ps(greater, b, v);
+        bi = _mm512_mask_blend_epi32(greater, bi, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(n0 + j))));
+      }
+      _mm512_storeu_ps(best.data() + m * 16, b);
+      _mm512_storeu_si512(index.data() + m * 16, bi);
+    }
+  }
+};
+
+// Row m's answer over the threads' results (in any order: sorted here by panel range).
+void merge_argmax(std::vector<RowArgmax>& parts, int64_t M, int64_t* out) {
+  std::sort(parts.begin(), parts.end(), [](const RowArgmax& a, const RowArgmax& b) { return a.begin < b.begin; });
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t result = -1;
+    float top = -std::numeric_limits<float>::infinity();
+    for (const auto& part : parts) {
+      if (part.nan[m] >= 0) {  // every earlier range held no NaN: this is the first
+        result = part.nan[m];
+        break;
+      }
+      for (int lane = 0; lane < 16; ++lane) {
+        const float v = part.best[m * 16 + lane];
+        const int64_t i = part.index[m * 16 + lane];
+        if (i == INT32_MAX) continue;  // the lane saw nothing (or only -inf, kept below)
+        if (result < 0 || v > top || (v == top && i < result)) {
+          top = v;
+          result = i;
+        }
+      }
+    }
+    out[m] = result < 0 ? 0 : result;  // every output -inf: torch.argmax says 0
+  }
+}
+#endif
+
+// `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor.
+// `argmax` (with widen): no outputs stored; instead argmax[m] = the index of row m's largest
+// output as `out` would hold it (the first on ties, a NaN's if any): what argmax_rows answers.
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         bool widen, const char* name, at::Tensor out = at::Tensor()) {
+                         bool widen, const char* name, at::Tensor out = at::Tensor(), int64_t* argmax = nullptr) {
   const auto shape = panel_shape(packed, name);  // plain names: lambdas below capture them
   const int64_t N = shape.first, K = shape.second;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
@@ -677,9 +746,17 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = x.size(0);
-  if (!out.defined()) out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
+  if (!out.defined() && !argmax) out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
+  // argmax: each thread's panels go to a small buffer (L1) and are scanned there
+  constexpr int64_t kPanelWidth = kPanelTiles * kLanes;
+  std::vector<RowArgmax> parts;
+  std::mutex parts_lock;
+  auto keep_part = [&](RowArgmax&& part) {
+    std::lock_guard<std::mutex> guard(parts_lock);
+    parts.push_back(std::move(part));
+  };
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
   const int64_t tiles = N / kLanes;
@@ -717,46 +794,64 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
           config.colsb[t] = 64;
         }
         _tile_loadconfig(&config);
+        std::vector<float> local(argmax ? M * kPanelWidth : 0);
+        RowArgmax part(argmax ? M : 0, begin);
         for (int64_t p = begin; p < end; ++p) {
-          const int64_t n0 = p * kPanelTiles * kLanes;
+          const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
           const uint16_t* w = quant ? nullptr : wp + n0 * K;
           const uint8_t* q = quant ? records(p) : nullptr;
           const uint16_t* b = bp ? bp + n0 : nullptr;
-          switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
-            case 1: amx_rows<1>(xp, tail, r, M, w, q, record, b, op + n0, N, K); break;
-            case 2: amx_rows<2>(xp, tail, r, M, w, q, record, b, op + n0, N, K); break;
-            default: amx_rows<kPanelTiles>(xp, tail, r, M, w, q, record, b, op + n0, N, K); break;
+          auto* o = argmax ? reinterpret_cast<decltype(op)>(local.data()) : op + n0;
+          const int64_t ld = argmax ? kPanelWidth : N;
+          switch (width) {
+            case 1: amx_rows<1>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
+            case 2: amx_rows<2>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
+            default: amx_rows<kPanelTiles>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
           }
+          if (argmax) part.scan(local.data(), kPanelWidth, M, n0, width * kLanes);
         }
         _tile_release();
+        if (argmax) keep_part(std::move(part));
       });
     };
-    if (widen)
+    if (argmax)
+      run_amx(static_cast<float*>(nullptr));
+    else if (widen)
       run_amx(out.data_ptr<float>());
     else
       run_amx(reinterpret_cast<uint16_t*>(out.data_ptr()));
+    if (argmax) merge_argmax(parts, M, argmax);
     return out;
   }
 #endif
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> buffer(buffer_size);
+      std::vector<float> local(argmax ? M * kPanelWidth : 0);
+      RowArgmax part(argmax ? M : 0, begin);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * kPanelTiles * kLanes;
+        const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         const uint16_t* w = panel_weights(p, buffer.data());
         const uint16_t* b = bp ? bp + n0 : nullptr;
-        switch (std::min(kPanelTiles, tiles - p * kPanelTiles)) {
-          case 1: panel_rows<1>(xp, w, b, op + n0, M, N, K); break;
-          case 2: panel_rows<2>(xp, w, b, op + n0, M, N, K); break;
-          default: panel_rows<kPanelTiles>(xp, w, b, op + n0, M, N, K); break;
+        auto* o = argmax ? reinterpret_cast<decltype(op)>(local.data()) : op + n0;
+        const int64_t ld = argmax ? kPanelWidth : N;
+        switch (width) {
+          case 1: panel_rows<1>(xp, w, b, o, M, ld, K); break;
+          case 2: panel_rows<2>(xp, w, b, o, M, ld, K); break;
+          default: panel_rows<kPanelTiles>(xp, w, b, o, M, ld, K); break;
         }
+        if (argmax) part.scan(local.data(), kPanelWidth, M, n0, width * kLanes);
       }
+      if (argmax) keep_part(std::move(part));
     });
   };
-  if (widen)
+  if (argmax)
+    run(static_cast<float*>(nullptr));
+  else if (widen)
     run(out.data_ptr<float>());
   else
     run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  if (argmax) merge_argmax(parts, M, argmax);
 #else
   TORCH_CHECK(false, name, ": this build has no AVX512-BF16 (check has_panel_linear first)");
 #endif
@@ -770,6 +865,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10
 at::Tensor panel_linear_float(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias) {
   return panel_product(x, packed, bias, true, "panel_linear_float");
+}
+
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  auto tokens = at::zeros({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
+  panel_product(x, packed, bias, true, "panel_argmax", at::Tensor(), tokens.data_ptr<int64_t>());
+  return tokens;
 }
 
 // ---- argmax_rows ----
@@ -1026,6 +1127,8 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.impl("expand_quant_panels", c10::DispatchKey::CPU, &expand_quant_panels);
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.impl("panel_linear_float", c10::DispatchKey::CPU, &panel_linear_float);
+  m.def("panel_argmax(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("panel_argmax", c10::DispatchKey::CPU, &panel_argmax);
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 
