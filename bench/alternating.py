@@ -14,8 +14,11 @@ import torch
 from kvreplay.bench.throughput import _prompts, run_kvreplay
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, extra: dict | None = None) -> argparse.Namespace:
+    """The shared options, plus `extra` ({flag: add_argument keywords}) of the calling bench."""
     parser = argparse.ArgumentParser(description=description)
+    for flag, options in (extra or {}).items():
+        parser.add_argument(flag, **options)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)

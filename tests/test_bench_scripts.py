@@ -17,13 +17,16 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("script,labels", [("quant_panels.py", ("blocks", "bf16 panels")),
-                                           ("fused_decode.py", ("fused decode", "layer code"))])
+                                           ("fused_decode.py", ("fused decode", "layer code")),
+                                           ("fused_decode.py --compare stack", ("decode_layers", "decode_layer each")),
+                                           ("fused_decode.py --compare greedy", ("argmax head", "logits"))])
 def test_side_by_side_bench_runs(script, labels):
     from kvreplay.engine import cpu_kernels
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear():
         pytest.skip("no panel kernel here: neither bench applies")
-    result = _run(script, "--batches", "2", "--rounds", "1", "--decode-tokens", "3", "--prompt-tokens", "16")
+    script, *options = script.split()
+    result = _run(script, *options, "--batches", "2", "--rounds", "1", "--decode-tokens", "3", "--prompt-tokens", "16")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"| batch | {labels[0]}, decode tok/s | {labels[1]}, decode tok/s | ratio |" in result.stdout
     row = [line for line in result.stdout.splitlines() if line.startswith("| 2 |")]
@@ -34,6 +37,11 @@ def test_side_by_side_bench_runs(script, labels):
 def test_side_by_side_bench_rejects_bad_arguments(script):
     result = _run(script, "--rounds", "0")
     assert result.returncode == 2 and "--rounds and --decode-tokens must be at least 1" in result.stderr
+
+
+def test_fused_decode_bench_rejects_an_unknown_comparison():
+    result = _run("fused_decode.py", "--compare", "fast")
+    assert result.returncode == 2 and "invalid choice: 'fast'" in result.stderr
 
 
 @pytest.mark.slow
