@@ -361,11 +361,15 @@ def test_decode_layers_rejects_a_bad_stack_before_writing(ops):
                                  c, step["slot_mapping"], step["block_tables"], step["context_lens"], step["scale"])
 
     wrong_o = weights[:6 * 2 + 3] + [ops.pack_panels(torch.randn(H, 32).to(torch.bfloat16))] + weights[6 * 2 + 4:]
+    wrong_norm = weights[:6 * 2] + [weights[6 * 2].float()] + weights[6 * 2 + 1:]
+    wrong_bias = biases[:4 * 2 + 3] + [torch.zeros(H + 1, dtype=torch.bfloat16)]
     wrong_cache = caches[:1] + [caches[1][:, :, :2].contiguous()] + caches[2:]
     for kwargs, message in ((dict(w=weights[:-1]), "3 caches need 6 weights and 4 biases a layer"),
                             (dict(b=biases[:4]), "3 caches need 6 weights and 4 biases a layer"),
                             (dict(c=[]), "0 caches"),
                             (dict(w=wrong_o), "layer 2 o weight is"),
+                            (dict(w=wrong_norm), "layer 2 norm weights must be contiguous bf16"),
+                            (dict(b=wrong_bias), "layer 2 down bias must be bf16"),
                             (dict(c=wrong_cache), "layer 1 kv_cache differs"),
                             (dict(d=delta.float()), "delta must be a contiguous bf16")):
         with pytest.raises(RuntimeError, match=message):

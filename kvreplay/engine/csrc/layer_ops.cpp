@@ -967,13 +967,22 @@ int64_t check_layer(const LayerWeights& w, int64_t H, int64_t num_q, int64_t num
                 "], expected [", n < 0 ? "any" : std::to_string(n), ", ", k, "]");
     return N;
   };
-  check(w.qkv, (num_q + 2 * num_kv) * D, H, "qkv");
+  auto bias = [&](const c10::optional<at::Tensor>& b, int64_t n, const char* name) {
+    if (b.has_value() && b->defined())
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->scalar_type() == at::kBFloat16, where, name,
+                  " bias must be bf16 [", n, "]");
+  };
+  const int64_t qkv_width = check(w.qkv, (num_q + 2 * num_kv) * D, H, "qkv");
   check(w.o, H, num_q * D, "o");
   const int64_t F = check(w.gate_up, -1, H, "gate_up") / 2;
   check(w.down, H, F, "down");
+  bias(w.qkv_bias, qkv_width, "qkv");
+  bias(w.o_bias, H, "o");
+  bias(w.gate_up_bias, 2 * F, "gate_up");
+  bias(w.down_bias, H, "down");
   for (const auto* norm : {&w.input_norm, &w.post_norm})
-    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == H && norm->is_contiguous(),
-                where, "norm weights must be contiguous [", H, "]");
+    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == H && norm->is_contiguous() &&
+                norm->scalar_type() == at::kBFloat16, where, "norm weights must be contiguous bf16 [", H, "]");
   return F;
 }
 
