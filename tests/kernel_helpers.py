@@ -1,4 +1,8 @@
 """Shared by the tests of the compiled CPU kernels (kvreplay/engine/cpu_kernels.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvreplay.engine import cpu_kernels
@@ -12,3 +16,14 @@ def built_or_skip(built, what: str):
             f"the {what} failed to build although a compiler and ninja exist (see the log)"
         pytest.skip(f"no C++ toolchain here: the PyTorch path replaces the {what}")
     return built
+
+
+def run_with_switch(tmp_path, switch: str, source: str) -> subprocess.CompletedProcess:
+    """Run `source` in a fresh interpreter with the environment variable `switch` set to 0 (the
+    kernels read their tile switches once per process) and tests/ on its path; it must exit 0."""
+    script = tmp_path / "switched_off.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n" + source)
+    result = subprocess.run([sys.executable, str(script)], env={**os.environ, switch: "0"}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -1,7 +1,7 @@
 """The compiled CPU decode-attention kernel against the PyTorch decode path it replaces."""
 import pytest
 import torch
-from kernel_helpers import built_or_skip
+from kernel_helpers import built_or_skip, run_with_switch
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, _decode_attention
@@ -237,17 +237,13 @@ def test_amx_tiles_agree_with_the_vector_kernel(op, tmp_path):
     """On a CPU with AMX tiles, bf16 rows with 16-token blocks and a head size of 64 or 128 run
     on them (scores; values too at 64); KVREPLAY_AMX_ATTENTION=0 (read once per process, hence a
     subprocess) keeps the vector kernel. Both within one bf16 step of each other and of fp32."""
-    import os
-    import subprocess
-    import sys
     if not torch.ops.kvreplay_cpu.has_amx_attention():
         pytest.skip("no AMX tiles here: the vector kernel is the one the other tests run")
     cases = [(64, 3), (64, 7), (128, 3), (64, 16)]
     lengths = [1, 15, 16, 17, 47, 100, 300, 513]
-    script = tmp_path / "vector.py"
-    script.write_text(
-        "import sys, torch\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    run_with_switch(
+        tmp_path, "KVREPLAY_AMX_ATTENTION",
+        "import torch\n"
         "from test_cpu_kernels import _case\n"
         "from kvreplay.engine import cpu_kernels\n"
         "op = cpu_kernels.decode_attention()\n"
@@ -256,9 +252,6 @@ def test_amx_tiles_agree_with_the_vector_kernel(op, tmp_path):
         "                  num_blocks=160, seed=d + g)[:5], 0.125, True, False)[:2] for d, g in "
         f"{cases!r}]\n"
         f"torch.save(outs, {str(tmp_path / 'vector.pt')!r})\n")
-    env = {**os.environ, "KVREPLAY_AMX_ATTENTION": "0"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     vector = torch.load(tmp_path / "vector.pt")
     for (d, g), (vec_out, vec_lse) in zip(cases, vector):
         case = _case(torch.bfloat16, len(lengths), lengths, head_dim=d, group=g, num_kv=2, num_blocks=160, seed=d + g)

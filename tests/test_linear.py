@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import built_or_skip
+from kernel_helpers import built_or_skip, run_with_switch
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, Projection,
@@ -223,16 +223,12 @@ def test_panel_argmax_is_argmax_of_the_logits(rows):
 def test_panel_argmax_on_the_vector_kernel(tmp_path):
     """KVREPLAY_AMX_PANELS=0 (read once per process, hence a subprocess): the vector kernel's
     argmax is the argmax of its logits too, for bf16 and Q8_0 panels."""
-    import os
-    import subprocess
-    import sys
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear() or not hasattr(ops, "panel_argmax"):
         pytest.skip("no panel kernel here")
-    script = tmp_path / "vector.py"
-    script.write_text(
-        "import sys, torch\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    result = run_with_switch(
+        tmp_path, "KVREPLAY_AMX_PANELS",
+        "import torch\n"
         "from test_linear import _argmax_cases\n"
         "from test_quant_panels import _blocks\n"
         "from kvreplay.engine import cpu_kernels\n"
@@ -248,7 +244,4 @@ def test_panel_argmax_on_the_vector_kernel(tmp_path):
         "            logits = ops.panel_linear_float(x, packed, b)\n"
         "            assert torch.equal(ops.panel_argmax(x, packed, b), logits.argmax(-1)), rows\n"
         "print('vector argmax ok')\n")
-    env = {**os.environ, "KVREPLAY_AMX_PANELS": "0"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "vector argmax ok" in result.stdout

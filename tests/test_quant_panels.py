@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import built_or_skip
+from kernel_helpers import built_or_skip, run_with_switch
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import Projection, QuantizedWeight
@@ -85,13 +85,9 @@ def test_vector_kernel_reads_blocks_too(ops, tmp_path):
     """KVREPLAY_AMX_PANELS=0 (read once per process, hence a subprocess) sends every row count
     to the AVX512-BF16 vector kernel, which expands a whole panel at a time: the same bits as its
     bf16 panels there too. (On a CPU without AMX the tests above run this path already.)"""
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "vector.py"
-    script.write_text(
-        "import sys, torch\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    result = run_with_switch(
+        tmp_path, "KVREPLAY_AMX_PANELS",
+        "import torch\n"
         "from test_quant_panels import _blocks, _bf16_weight\n"
         "from kvreplay.engine import cpu_kernels\n"
         "ops = cpu_kernels.layer_ops()\n"
@@ -104,9 +100,6 @@ def test_vector_kernel_reads_blocks_too(ops, tmp_path):
         "        x = torch.randn(rows, 192).bfloat16()\n"
         "        assert torch.equal(ops.panel_linear(x, quant, None), ops.panel_linear(x, plain, None)), (fmt, rows)\n"
         "print('vector kernel ok')\n")
-    env = {**os.environ, "KVREPLAY_AMX_PANELS": "0"}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "vector kernel ok" in result.stdout
 
 

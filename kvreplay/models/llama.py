@@ -113,12 +113,12 @@ class LlamaModel:
         fused = fused_decode_enabled()
         self.fused_rows = [self._fused_rows(layer) if fused else 0 for layer in self.layers]
         # decode_layers' arguments for the whole stack (6 weights and 4 biases a layer), built once
-        self._stack_weights = [layer[name] if name.endswith("norm") else layer[name].panels
-                               for layer in self.layers
-                               for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] \
-            if any(self.fused_rows) else []
-        self._stack_biases = [layer[name].bias for layer in self.layers for name in ("qkv", "o", "gate_up", "down")] \
-            if any(self.fused_rows) else []
+        self._stack_weights, self._stack_biases = [], []
+        if any(self.fused_rows):
+            for layer in self.layers:
+                projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
+                self._stack_weights += [layer["input_norm"], layer["post_norm"]] + [p.panels for p in projections]
+                self._stack_biases += [p.bias for p in projections]
 
     def _fused_rows(self, layer: dict) -> int:
         """Most rows layer `layer` takes through decode_layer: every projection must go to the

@@ -868,7 +868,7 @@ at::Tensor panel_linear_float(const at::Tensor& x, const at::Tensor& packed,
 }
 
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  auto tokens = at::zeros({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));
+  auto tokens = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));  // every row written
   panel_product(x, packed, bias, true, "panel_argmax", at::Tensor(), tokens.data_ptr<int64_t>());
   return tokens;
 }
