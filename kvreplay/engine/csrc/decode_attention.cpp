@@ -590,8 +590,7 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
                         G <= 16 && amx_scores_permitted();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     if (on_tiles) attention_tiles_config();
-    std::vector<float> work(2 * G * D + G * longest + bs * D);
-    float* qf = work.data();
+    float* qf = kvreplay_scratch::thread_buffer<float>(2 * G * D + G * longest + bs * D);
     float* acc = qf + G * D;
     float* scores = acc + G * D;
     float* buf = scores + G * longest;

@@ -96,10 +96,9 @@ template <typename T>
 void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t rows, int64_t H,
               float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(H);
+    float* h = kvreplay_scratch::thread_buffer<float>(H);  // the row's hidden values, widened
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * H;
-      float* h = row.data();
       if (res) {
         const T* rr = res + r * H;
         T* hr = hidden + r * H;
@@ -179,7 +178,7 @@ void rope_rows(T* qkv, const T* cos, const T* sin, const int64_t* slots, T* cach
   const int64_t half = D / 2, width = (num_q + 2 * num_kv) * D;
   const int64_t kv_plane = num_kv * cache_rows * D;  // K plane, then V plane
   at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
-    std::vector<T> tmp(D);
+    T* tmp = kvreplay_scratch::thread_buffer<T>(D);
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv + t * width;
       const T* c = cos + t * D;
