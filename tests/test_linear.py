@@ -6,7 +6,7 @@ from kernel_helpers import built_or_skip, run_with_switch
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, Projection,
-                                    can_pack, machine_panel_rows)
+                                    can_pack, machine_panel_rows, silu_pair_order)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -245,3 +245,89 @@ def test_panel_argmax_on_the_vector_kernel(tmp_path):
         "            assert torch.equal(ops.panel_argmax(x, packed, b), logits.argmax(-1)), rows\n"
         "print('vector argmax ok')\n")
     assert "vector argmax ok" in result.stdout
+
+
+def test_silu_pair_order():
+    """Each panel of 48 rows: gate rows, then the up rows of the same outputs; every row once."""
+    assert silu_pair_order(12) is None and silu_pair_order(0) is None
+    order = silu_pair_order(40).tolist()  # a panel of 24 + 24, then one of 16 + 16
+    assert order[:48] == list(range(0, 24)) + list(range(40, 64))
+    assert order[48:] == list(range(24, 40)) + list(range(64, 80))
+    assert sorted(silu_pair_order(1536).tolist()) == list(range(3072))
+
+
+# (F, K, rows): one panel and a narrow last one (F = 40), a single half-tile panel (8), rows in
+# three blocks (33), the default model's shape (1536 x 576) at 1 and 32 rows
+SILU_CASES = [(40, 64, 7), (8, 32, 3), (56, 96, 33), (1536, 576, 1), (1536, 576, 32)]
+
+
+def _check_panel_silu(ops, gen, packs):
+    """panel_silu_mul over pair-ordered panels = silu_mul of the [gate | up] product, bit for bit,
+    for every (name, pack) in `packs` (pack: weight rows -> panels)."""
+    for F_, K, rows in SILU_CASES:
+        weight = (torch.randn(2 * F_, K, generator=gen) / K ** 0.5).bfloat16()
+        bias = torch.randn(2 * F_, generator=gen).bfloat16()
+        x = torch.randn(rows, K, generator=gen).bfloat16()
+        order = silu_pair_order(F_)
+        for name, pack in packs:
+            for b in (None, bias):
+                expected = ops.silu_mul(ops.panel_linear(x, pack(weight), b))
+                got = ops.panel_silu_mul(x, pack(weight[order]), None if b is None else b[order])
+                assert got.shape == (rows, F_) and torch.equal(got, expected), (name, F_, rows)
+
+
+def test_panel_silu_mul_is_silu_of_the_product():
+    proj = _panel_projection(torch.randn(96, 64).bfloat16())  # skips without the kernel
+    ops = cpu_kernels.layer_ops()
+    gen = torch.Generator().manual_seed(17)
+    _check_panel_silu(ops, gen, [("bf16", ops.pack_panels)])
+    assert proj.panels is not None
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        ops.panel_silu_mul(torch.randn(3, 64), ops.pack_panels(torch.randn(96, 64).bfloat16()), None)
+    with pytest.raises(RuntimeError, match="bias must be bf16"):
+        ops.panel_silu_mul(torch.randn(3, 64).bfloat16(), ops.pack_panels(torch.randn(96, 64).bfloat16()),
+                           torch.randn(95).bfloat16())
+    assert ops.panel_silu_mul(torch.zeros(0, 64).bfloat16(), ops.pack_panels(torch.randn(96, 64).bfloat16()),
+                              None).shape == (0, 48)
+
+
+def test_panel_silu_mul_on_quantized_blocks_and_the_vector_kernel(tmp_path):
+    """Q4_1 blocks in pair order give the same SiLU as their [gate | up] product; with
+    KVREPLAY_AMX_PANELS=0 (a subprocess) the vector kernel's too."""
+    _panel_projection(torch.randn(96, 64).bfloat16())
+    ops = cpu_kernels.layer_ops()
+    from test_quant_panels import _blocks
+    gen = torch.Generator().manual_seed(23)
+    for F_, K, rows in ((40, 64, 7), (1536, 576, 32)):
+        blocks = torch.from_numpy(_blocks("Q4_1", 2 * F_, K, seed=F_))
+        order = silu_pair_order(F_)
+        x = torch.randn(rows, K, generator=gen).bfloat16()
+        expected = ops.silu_mul(ops.panel_linear(x, ops.pack_quant_panels(blocks, K, "Q4_1"), None))
+        got = ops.panel_silu_mul(x, ops.pack_quant_panels(blocks[order], K, "Q4_1"), None)
+        assert torch.equal(got, expected), (F_, rows)
+    result = run_with_switch(
+        tmp_path, "KVREPLAY_AMX_PANELS",
+        "import torch\n"
+        "from test_linear import _check_panel_silu\n"
+        "from kvreplay.engine import cpu_kernels\n"
+        "ops = cpu_kernels.layer_ops()\n"
+        "assert not ops.has_amx_panels()\n"
+        "_check_panel_silu(ops, torch.Generator().manual_seed(5), [('bf16', ops.pack_panels)])\n"
+        "print('vector silu ok')\n")
+    assert "vector silu ok" in result.stdout
+
+
+@pytest.mark.parametrize("rows", [1, 32, 200])
+def test_projection_with_a_panel_order_answers_in_its_own_order(rows):
+    """The panel copy in another row order (the MLP's pair order): calls still give the weight's
+    own order, through the panel kernel and through oneDNN alike."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    plain = _panel_projection(weight, bias)
+    ordered = Projection(weight, bias, panel_rows=PANEL_ROWS, panel_order=silu_pair_order(48))
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    assert torch.equal(ordered(x), plain(x))
+    assert torch.equal(ordered.float_output(x), plain.float_output(x))
+    assert torch.equal(ordered.argmax(x), plain.argmax(x))
+    assert torch.equal(ordered.panel_bias, bias[silu_pair_order(48)])

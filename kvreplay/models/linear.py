@@ -49,6 +49,24 @@ PANEL_ROWS_AMX_ONEDNN_ONLY = 2
 
 # GGUF block formats the panel kernel reads as they are (layer_ops.cpp pack_quant_panels)
 QUANT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# Outputs in one panel of the panel kernel (layer_ops.cpp: kPanelTiles x 16)
+PANEL_OUTPUTS = 48
+
+
+def silu_pair_order(width: int) -> torch.Tensor | None:
+    """The row order of a fused [gate | up] weight (2 x `width` rows) that `panel_silu_mul` takes:
+    each panel of PANEL_OUTPUTS rows holds some gate rows and then the up rows of the same
+    outputs (24 and 24; the last panel fewer), so that a panel's outputs give their SiLU x up
+    without the other panels. None when `width` is not a multiple of 8 (a panel's halves are
+    whole half-tiles)."""
+    if width <= 0 or width % 8:
+        return None
+    half = PANEL_OUTPUTS // 2
+    order = []
+    for start in range(0, width, half):
+        count = min(half, width - start)
+        order += list(range(start, start + count)) + list(range(width + start, width + start + count))
+    return torch.tensor(order, dtype=torch.long)
 
 
 @dataclass
@@ -142,9 +160,13 @@ class Projection:
     pays."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 panel_rows: int | None = None, quantized: QuantizedWeight | None = None):
+                 panel_rows: int | None = None, quantized: QuantizedWeight | None = None,
+                 panel_order: torch.Tensor | None = None):
         """`panel_rows`: most rows for the panel kernel (default: `machine_panel_rows()`).
-        `quantized`: the file's blocks that `weight` was dequantized from, for the panel copy."""
+        `quantized`: the file's blocks that `weight` was dequantized from, for the panel copy.
+        `panel_order`: the panel copy holds the weight's rows (and `panel_bias` the bias) in this
+        order, for the compiled ops that read it so (`silu_pair_order`); calls of this object
+        still answer in the weight's own order."""
         self.bias = bias
         self.packed = pack and can_pack(weight)
         ops = _panel_ops(weight) if self.packed else None
@@ -158,7 +180,16 @@ class Projection:
         # the blocks, where given and the kernel reads their format; else bf16
         self.panel_format = "bf16"
         self.panels = None
+        self.panel_bias = bias
+        self.panel_order = self.output_order = None  # output_order: panel outputs -> the weight's
         if ops is not None:
+            if panel_order is not None:
+                self.panel_order = panel_order
+                self.output_order = torch.argsort(panel_order)
+                weight = weight[panel_order]
+                quantized = None if quantized is None else QuantizedWeight(quantized.format,
+                                                                           quantized.blocks[panel_order])
+                self.panel_bias = None if bias is None else bias[panel_order].contiguous()
             if quantized is not None and quantized.format in QUANT_FORMATS and quant_panels_enabled():
                 try:
                     self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format)
@@ -167,13 +198,19 @@ class Projection:
                     log.warning("%s blocks kept as bf16 panels: %s", quantized.format, str(exc).splitlines()[0])
             if self.panels is None:
                 self.panels = ops.pack_panels(weight)
+        if self.output_order is not None:
+            weight = weight[self.output_order]  # back in its own order for oneDNN
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
+
+    def _in_order(self, y: torch.Tensor) -> torch.Tensor:
+        """Panel outputs in the weight's own row order."""
+        return y if self.output_order is None else y[:, self.output_order]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
             if self.panel_linear is not None and x.shape[0] <= self.panel_rows:
-                return self.panel_linear(x, self.panels, self.bias)
+                return self._in_order(self.panel_linear(x, self.panels, self.panel_bias))
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
@@ -184,14 +221,14 @@ class Projection:
         instead of a second pass (~0.4 ms of a batch-32 decode step here)."""
         if self.panel_linear_float is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
                 and x.shape[0] <= self.panel_rows:
-            return self.panel_linear_float(x, self.panels, self.bias)
+            return self._in_order(self.panel_linear_float(x, self.panels, self.panel_bias))
         return self(x).float()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """`self.float_output(x).argmax(-1)` (the first index on ties, a NaN's if any): the LM
         head of a greedy step. The panel kernel keeps each row's running maximum instead of
         storing the logits (~0.3 ms of a batch-32 decode step here, docs/benchmarks.md)."""
-        if self.panel_argmax is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
-                and x.shape[0] <= self.panel_rows:
+        if self.panel_argmax is not None and self.output_order is None and x.dtype == torch.bfloat16 \
+                and x.dim() == 2 and x.shape[0] <= self.panel_rows:
             return self.panel_argmax(x, self.panels, self.bias)
         return self.float_output(x).argmax(dim=-1)

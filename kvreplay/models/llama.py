@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import Projection, QuantizedWeight, env_switch, onto_huge_pages
+from kvreplay.models.linear import Projection, QuantizedWeight, env_switch, onto_huge_pages, silu_pair_order
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,8 +81,10 @@ class LlamaModel:
                                   quantized=blocks(attn + "q_proj.weight", attn + "k_proj.weight",
                                                    attn + "v_proj.weight")),
                 "o": Projection(take(attn + "o_proj.weight"), quantized=blocks(attn + "o_proj.weight")),
+                # its panel copy in pair order: the panel kernel gives SiLU x up (panel_silu_mul)
                 "gate_up": Projection(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-                                      quantized=blocks(mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+                                      quantized=blocks(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                                      panel_order=silu_pair_order(config.intermediate_size)),
                 "down": Projection(take(mlp + "down_proj.weight"), quantized=blocks(mlp + "down_proj.weight")),
                 "q_norm": None, "k_norm": None,
             }
@@ -118,7 +120,7 @@ class LlamaModel:
             for layer in self.layers:
                 projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
                 self._stack_weights += [layer["input_norm"], layer["post_norm"]] + [p.panels for p in projections]
-                self._stack_biases += [p.bias for p in projections]
+                self._stack_biases += [p.panel_bias for p in projections]
 
     def _fused_rows(self, layer: dict) -> int:
         """Most rows layer `layer` takes through decode_layer: every projection must go to the
@@ -127,7 +129,7 @@ class LlamaModel:
                 or self.dtype != torch.bfloat16 or layer["q_norm"] is not None:
             return 0
         projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
-        if any(p.panel_linear is None for p in projections):
+        if any(p.panel_linear is None for p in projections) or layer["gate_up"].panel_order is None:
             return 0
         return min(p.panel_rows for p in projections)
 
@@ -200,8 +202,8 @@ class LlamaModel:
         qkv, o, gate_up, down = layer["qkv"], layer["o"], layer["gate_up"], layer["down"]
         delta, residual, mass = self.layer_ops.decode_layer(
             delta, residual, layer["input_norm"], layer["post_norm"], cfg.rms_norm_eps,
-            qkv.panels, qkv.bias, o.panels, o.bias, gate_up.panels, gate_up.bias, down.panels, down.bias,
-            cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_cache, meta.slot_mapping,
+            qkv.panels, qkv.panel_bias, o.panels, o.panel_bias, gate_up.panels, gate_up.panel_bias,
+            down.panels, down.panel_bias, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv_cache, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_context, self.scale, meta.observe_decode)
         if meta.observe_decode:
             add_decode_mass(meta, mass)
@@ -251,8 +253,12 @@ class LlamaModel:
                                cache_written=ops is not None)  # [T, num_q, D]
         delta = layer["o"](attn.reshape(num_tokens, q_size))
         x, residual = norm(delta, residual, layer["post_norm"], eps)
-        if ops is not None:
-            delta = layer["down"](ops.silu_mul(layer["gate_up"](x)))
+        gate_up = layer["gate_up"]
+        if ops is not None and gate_up.panel_order is not None and gate_up.panel_linear is not None \
+                and x.dtype == torch.bfloat16 and num_tokens <= gate_up.panel_rows:
+            delta = layer["down"](ops.panel_silu_mul(x, gate_up.panels, gate_up.panel_bias))
+        elif ops is not None:
+            delta = layer["down"](ops.silu_mul(gate_up(x)))
         else:
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             delta = layer["down"](F.silu(gate) * up)

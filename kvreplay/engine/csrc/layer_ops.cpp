@@ -34,10 +34,16 @@
 //   panel_argmax(x, packed, bias?) -> for each row, argmax_rows(panel_linear_float(...)) without
 //       storing the outputs: the LM head of a greedy step (its 32 x 49,152 fp32 logits written
 //       and read again cost ~0.3 ms a batch-32 step here).
+//   panel_silu_mul(x, packed, bias?) -> silu(gate) * up of the gate/up product, for a weight
+//       packed with its rows in pair order (each panel: some gate rows, then their up rows), each
+//       panel combined in L1 as it is done: the [M, 2F] gate/up outputs are never stored, and
+//       the SiLU needs no pass of its own (its rows split by row between the threads, half of
+//       them in the other core's cache).
 //   decode_layer(delta, residual?, norms, eps, panels and biases, cos, sin, heads, kv_cache, slots,
 //                tables, lengths, scale, want_mass) -> (delta, residual, mass)
 //       A whole decoder layer of a decode-only step: the ops above and the decode attention
 //       kernel in the order kvreplay/models/llama.py calls them (same bits), one call a layer.
+//       gate_up (and its bias) in pair order: the MLP is panel_silu_mul, then down.
 //   decode_layers(delta, residual?, weights[], biases[], eps, cos, sin, heads, kv_caches[], ...)
 //       -> (delta, residual, masses[])
 //       decode_layer over a stack of layers in one call, the layers sharing one set of buffers.
@@ -727,13 +733,36 @@ void merge_argmax(std::vector<RowArgmax>& parts, int64_t M, int64_t* out) {
     out[m] = result < 0 ? 0 : result;  // every output -inf: torch.argmax says 0
   }
 }
+
+// The SiLU x up of one panel of a gate/up product whose rows are in pair order (see
+// panel_silu_mul): `stage` holds the panel's bf16 outputs, rows kPanelTiles * 16 apart, the 8 *
+// width gate outputs first and then their up partners; out (row stride F) gets silu(gate) * up
+// from column col0 on, with silu_rows' arithmetic (the same bits where it runs 16 lanes).
+void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, int64_t F, int64_t col0) {
+  constexpr int64_t kStageRow = kPanelTiles * kLanes;
+  const int64_t half = 8 * width;
+  const __m512 one = _mm512_set1_ps(1.f);
+  auto* typed = reinterpret_cast<c10::BFloat16*>(out);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = stage + m * kStageRow;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 lanes = half - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (half - i)) - 1u);
+      const __m512 x = kvreplay_simd::widen16(_mm256_maskz_loadu_epi16(lanes, g + i));
+      const __m512 up = kvreplay_simd::widen16(_mm256_maskz_loadu_epi16(lanes, g + half + i));
+      const __m512 silu = rnd(_mm512_div_ps(x, _mm512_add_ps(one, kvreplay_simd::exp16(neg(x)))), typed);
+      _mm256_mask_storeu_epi16(out + m * F + col0 + i, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+    }
+  }
+}
 #endif
 
 // `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor.
 // `argmax` (with widen): no outputs stored; instead argmax[m] = the index of row m's largest
 // output as `out` would hold it (the first on ties, a NaN's if any): what argmax_rows answers.
+// `silu` (bf16, a gate/up weight in pair order): out is [M, N / 2], silu(gate) * up (panel_silu_mul).
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         bool widen, const char* name, at::Tensor out = at::Tensor(), int64_t* argmax = nullptr) {
+                         bool widen, const char* name, at::Tensor out = at::Tensor(), int64_t* argmax = nullptr,
+                         bool silu = false) {
   const auto shape = panel_shape(packed, name);  // plain names: lambdas below capture them
   const int64_t N = shape.first, K = shape.second;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
@@ -745,11 +774,16 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   auto xc = x.contiguous();
   auto bc = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = x.size(0);
-  if (!out.defined() && !argmax) out = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
+  TORCH_CHECK(!silu || (!widen && !argmax && N % 16 == 0), name, ": the SiLU output takes bf16 pairs");
+  const int64_t F = N / 2;  // silu: the MLP width
+  if (!out.defined() && !argmax)
+    out = at::empty({M, silu ? F : N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   if (M == 0) return out;
-  // argmax: each thread's panels go to a small buffer (L1) and are scanned there
+  // argmax, silu: each thread's panels go to a small buffer (L1) and are scanned / combined there
   constexpr int64_t kPanelWidth = kPanelTiles * kLanes;
+  const bool staged = argmax || silu;
+  auto* silu_out = silu ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   std::vector<RowArgmax> parts;
   std::mutex parts_lock;
   auto keep_part = [&](RowArgmax&& part) {
@@ -793,21 +827,22 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
           config.colsb[t] = 64;
         }
         _tile_loadconfig(&config);
-        std::vector<float> local(argmax ? M * kPanelWidth : 0);
+        float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
         RowArgmax part(argmax ? M : 0, begin);
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
           const uint16_t* w = quant ? nullptr : wp + n0 * K;
           const uint8_t* q = quant ? records(p) : nullptr;
           const uint16_t* b = bp ? bp + n0 : nullptr;
-          auto* o = argmax ? reinterpret_cast<decltype(op)>(local.data()) : op + n0;
-          const int64_t ld = argmax ? kPanelWidth : N;
+          auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
+          const int64_t ld = staged ? kPanelWidth : N;
           switch (width) {
             case 1: amx_rows<1>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
             case 2: amx_rows<2>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
             default: amx_rows<kPanelTiles>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
           }
-          if (argmax) part.scan(local.data(), kPanelWidth, M, n0, width * kLanes);
+          if (argmax) part.scan(local, kPanelWidth, M, n0, width * kLanes);
+          if (silu) silu_panel(reinterpret_cast<const uint16_t*>(local), M, width, silu_out, F, n0 / 2);
         }
         _tile_release();
         if (argmax) keep_part(std::move(part));
@@ -815,6 +850,8 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     };
     if (argmax)
       run_amx(static_cast<float*>(nullptr));
+    else if (silu)
+      run_amx(static_cast<uint16_t*>(nullptr));
     else if (widen)
       run_amx(out.data_ptr<float>());
     else
@@ -826,26 +863,29 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> buffer(buffer_size);
-      std::vector<float> local(argmax ? M * kPanelWidth : 0);
+      float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
       RowArgmax part(argmax ? M : 0, begin);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         const uint16_t* w = panel_weights(p, buffer.data());
         const uint16_t* b = bp ? bp + n0 : nullptr;
-        auto* o = argmax ? reinterpret_cast<decltype(op)>(local.data()) : op + n0;
-        const int64_t ld = argmax ? kPanelWidth : N;
+        auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
+        const int64_t ld = staged ? kPanelWidth : N;
         switch (width) {
           case 1: panel_rows<1>(xp, w, b, o, M, ld, K); break;
           case 2: panel_rows<2>(xp, w, b, o, M, ld, K); break;
           default: panel_rows<kPanelTiles>(xp, w, b, o, M, ld, K); break;
         }
-        if (argmax) part.scan(local.data(), kPanelWidth, M, n0, width * kLanes);
+        if (argmax) part.scan(local, kPanelWidth, M, n0, width * kLanes);
+        if (silu) silu_panel(reinterpret_cast<const uint16_t*>(local), M, width, silu_out, F, n0 / 2);
       }
       if (argmax) keep_part(std::move(part));
     });
   };
   if (argmax)
     run(static_cast<float*>(nullptr));
+  else if (silu)
+    run(static_cast<uint16_t*>(nullptr));
   else if (widen)
     run(out.data_ptr<float>());
   else
@@ -870,6 +910,15 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& packed, const c10
   auto tokens = at::empty({x.dim() == 2 ? x.size(0) : 0}, x.options().dtype(at::kLong));  // every row written
   panel_product(x, packed, bias, true, "panel_argmax", at::Tensor(), tokens.data_ptr<int64_t>());
   return tokens;
+}
+
+// silu(gate) * up of the gate/up product y = x W^T (+ b) for a W whose 2F rows are in pair order:
+// panel p (kPanelTiles x 16 rows; the last may be narrower) holds gate rows 24p .. 24p + 8w - 1
+// and then up rows 24p .. 24p + 8w - 1 (w: its tiles), kvreplay/models/linear.py silu_pair_order.
+// The products are panel_linear's and the SiLU silu_mul's, so the result equals silu_mul of the
+// product in [gate | up] order, without writing or reading the [M, 2F] gate/up outputs.
+at::Tensor panel_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  return panel_product(x, packed, bias, false, "panel_silu_mul", at::Tensor(), nullptr, true);
 }
 
 // ---- argmax_rows ----
@@ -985,17 +1034,17 @@ int64_t check_layer(const LayerWeights& w, int64_t H, int64_t num_q, int64_t num
   return F;
 }
 
-// Where a layer writes: x and gate_up / mlp are scratch, delta (the layer's output) and hidden
-// (the residual stream) carry on to the next layer.
+// Where a layer writes: x, qkv and mlp are scratch, delta (the layer's output) and hidden (the
+// residual stream) carry on to the next layer.
 struct LayerBuffers {
-  at::Tensor x, hidden, delta, qkv, gate_up, mlp;
+  at::Tensor x, hidden, delta, qkv, mlp;
 };
 
 LayerBuffers layer_buffers(const at::Tensor& delta, int64_t qkv_width, int64_t F) {
   const int64_t T_ = delta.size(0), H = delta.size(1);
   const auto options = delta.options();
   return {at::empty({T_, H}, options), at::empty({T_, H}, options), at::empty({T_, H}, options),
-          at::empty({T_, qkv_width}, options), at::empty({T_, 2 * F}, options), at::empty({T_, F}, options)};
+          at::empty({T_, qkv_width}, options), at::empty({T_, F}, options)};
 }
 
 // One layer from delta and the residual stream (null: it starts at this layer) into buf.delta
@@ -1020,8 +1069,7 @@ at::Tensor run_layer(const at::Tensor& delta, const at::Tensor* residual, const 
       attention.call(q, caches[0], caches[1], block_tables, context_lens, scale, false, want_mass);
   panel_product(attn.view({T_, num_q * D}), w.o, w.o_bias, false, "decode_layer: o", buf.delta);
   add_rms_norm_into(buf.delta, &buf.hidden, w.post_norm, eps, buf.x, buf.hidden);
-  panel_product(buf.x, w.gate_up, w.gate_up_bias, false, "decode_layer: gate_up", buf.gate_up);
-  silu_mul_into(buf.gate_up, buf.mlp);
+  panel_product(buf.x, w.gate_up, w.gate_up_bias, false, "decode_layer: gate_up", buf.mlp, nullptr, true);
   panel_product(buf.mlp, w.down, w.down_bias, false, "decode_layer: down", buf.delta);
   return want_mass ? mass.amax(1) : mass;
 }
@@ -1136,6 +1184,8 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.impl("panel_linear_float", c10::DispatchKey::CPU, &panel_linear_float);
   m.def("panel_argmax(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("panel_silu_mul(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("panel_silu_mul", c10::DispatchKey::CPU, &panel_silu_mul);
   m.impl("panel_argmax", c10::DispatchKey::CPU, &panel_argmax);
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
