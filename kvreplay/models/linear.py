@@ -203,14 +203,20 @@ class Projection:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
 
+    def on_panels(self, x: torch.Tensor) -> bool:
+        """Whether input `x` goes to the panel kernel: a 2-D bf16 batch of at most `panel_rows`
+        rows, where a panel copy exists."""
+        return self.panel_linear is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
+            and x.shape[0] <= self.panel_rows
+
     def _in_order(self, y: torch.Tensor) -> torch.Tensor:
         """Panel outputs in the weight's own row order."""
         return y if self.output_order is None else y[:, self.output_order]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_panels(x):
+            return self._in_order(self.panel_linear(x, self.panels, self.panel_bias))
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.panel_linear is not None and x.shape[0] <= self.panel_rows:
-                return self._in_order(self.panel_linear(x, self.panels, self.panel_bias))
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
@@ -219,8 +225,7 @@ class Projection:
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
         """`self(x).float()` (the LM head's logits); the panel kernel widens as it stores
         instead of a second pass (~0.4 ms of a batch-32 decode step here)."""
-        if self.panel_linear_float is not None and x.dtype == torch.bfloat16 and x.dim() == 2 \
-                and x.shape[0] <= self.panel_rows:
+        if self.on_panels(x):
             return self._in_order(self.panel_linear_float(x, self.panels, self.panel_bias))
         return self(x).float()
 
@@ -228,7 +233,6 @@ class Projection:
         """`self.float_output(x).argmax(-1)` (the first index on ties, a NaN's if any): the LM
         head of a greedy step. The panel kernel keeps each row's running maximum instead of
         storing the logits (~0.3 ms of a batch-32 decode step here, docs/benchmarks.md)."""
-        if self.panel_argmax is not None and self.output_order is None and x.dtype == torch.bfloat16 \
-                and x.dim() == 2 and x.shape[0] <= self.panel_rows:
+        if self.panel_argmax is not None and self.output_order is None and self.on_panels(x):
             return self.panel_argmax(x, self.panels, self.bias)
         return self.float_output(x).argmax(dim=-1)

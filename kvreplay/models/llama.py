@@ -254,8 +254,7 @@ class LlamaModel:
         delta = layer["o"](attn.reshape(num_tokens, q_size))
         x, residual = norm(delta, residual, layer["post_norm"], eps)
         gate_up = layer["gate_up"]
-        if ops is not None and gate_up.panel_order is not None and gate_up.panel_linear is not None \
-                and x.dtype == torch.bfloat16 and num_tokens <= gate_up.panel_rows:
+        if ops is not None and gate_up.panel_order is not None and gate_up.on_panels(x):
             delta = layer["down"](ops.panel_silu_mul(x, gate_up.panels, gate_up.panel_bias))
         elif ops is not None:
             delta = layer["down"](ops.silu_mul(gate_up(x)))

@@ -790,6 +790,23 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     std::lock_guard<std::mutex> guard(parts_lock);
     parts.push_back(std::move(part));
   };
+  // a staged panel's outputs (in `local`), once computed: scanned for the argmax, or combined
+  auto finish_panel = [&](RowArgmax& part, const float* local, int64_t n0, int64_t width) {
+    if (argmax) part.scan(local, kPanelWidth, M, n0, width * kLanes);
+    if (silu) silu_panel(reinterpret_cast<const uint16_t*>(local), M, width, silu_out, F, n0 / 2);
+  };
+  // `run` (either kernel's loop) with where the outputs go: their type, and null when staged
+  auto for_outputs = [&](auto&& run) {
+    if (argmax)
+      run(static_cast<float*>(nullptr));
+    else if (silu)
+      run(static_cast<uint16_t*>(nullptr));
+    else if (widen)
+      run(out.data_ptr<float>());
+    else
+      run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+    if (argmax) merge_argmax(parts, M, argmax);
+  };
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
   const int64_t tiles = N / kLanes;
@@ -841,22 +858,13 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
             case 2: amx_rows<2>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
             default: amx_rows<kPanelTiles>(xp, tail, r, M, w, q, record, b, o, ld, K); break;
           }
-          if (argmax) part.scan(local, kPanelWidth, M, n0, width * kLanes);
-          if (silu) silu_panel(reinterpret_cast<const uint16_t*>(local), M, width, silu_out, F, n0 / 2);
+          finish_panel(part, local, n0, width);
         }
         _tile_release();
         if (argmax) keep_part(std::move(part));
       });
     };
-    if (argmax)
-      run_amx(static_cast<float*>(nullptr));
-    else if (silu)
-      run_amx(static_cast<uint16_t*>(nullptr));
-    else if (widen)
-      run_amx(out.data_ptr<float>());
-    else
-      run_amx(reinterpret_cast<uint16_t*>(out.data_ptr()));
-    if (argmax) merge_argmax(parts, M, argmax);
+    for_outputs(run_amx);
     return out;
   }
 #endif
@@ -876,21 +884,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
           case 2: panel_rows<2>(xp, w, b, o, M, ld, K); break;
           default: panel_rows<kPanelTiles>(xp, w, b, o, M, ld, K); break;
         }
-        if (argmax) part.scan(local, kPanelWidth, M, n0, width * kLanes);
-        if (silu) silu_panel(reinterpret_cast<const uint16_t*>(local), M, width, silu_out, F, n0 / 2);
+        finish_panel(part, local, n0, width);
       }
       if (argmax) keep_part(std::move(part));
     });
   };
-  if (argmax)
-    run(static_cast<float*>(nullptr));
-  else if (silu)
-    run(static_cast<uint16_t*>(nullptr));
-  else if (widen)
-    run(out.data_ptr<float>());
-  else
-    run(reinterpret_cast<uint16_t*>(out.data_ptr()));
-  if (argmax) merge_argmax(parts, M, argmax);
+  for_outputs(run);
 #else
   TORCH_CHECK(false, name, ": this build has no AVX512-BF16 (check has_panel_linear first)");
 #endif
