@@ -1,12 +1,14 @@
-"""Projection: packed oneDNN weights in bf16 on CPU must give F.linear's numbers exactly."""
+"""Projection: packed oneDNN weights in bf16 on CPU must give F.linear's numbers exactly; where
+oneDNN takes no bf16 products, the fp32 product rounded once; the panel kernel within one rounding."""
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import built_or_skip, run_with_switch
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, Projection,
-                                    can_pack, machine_panel_rows, silu_pair_order)
+from kvreplay.models import linear
+from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, PANEL_ROWS_ANY,
+                                    Projection, can_pack, machine_panel_rows, onednn_bf16_products, silu_pair_order)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -19,7 +21,7 @@ def test_packed_bf16_equals_plain_linear(rows, with_bias):
     x = torch.randn(rows, 41, generator=gen).bfloat16()
     proj = Projection(weight, bias)
     if not can_pack(weight):
-        pytest.skip("this torch build has no oneDNN packing")
+        pytest.skip("oneDNN takes no bf16 products here (no oneDNN, or an AVX2-only CPU)")
     assert proj.packed and proj.panel_linear is None
     assert torch.equal(proj(x), F.linear(x, weight, bias))
 
@@ -35,11 +37,45 @@ def test_fp32_and_opt_out_stay_plain():
     assert torch.equal(plain(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
 
 
+def test_onednn_probe_agrees_with_packing():
+    """The probe is asked once; where it says yes, a bf16 weight packs and its product is exact."""
+    assert onednn_bf16_products() is onednn_bf16_products()
+    weight = torch.randn(16, 32).bfloat16()
+    assert can_pack(weight) == onednn_bf16_products()
+    assert not linear.widens(weight) == onednn_bf16_products()
+    assert not linear.widens(weight.float()) and not linear.widens(weight.to("meta"))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_projection_is_the_fp32_product_rounded_once(monkeypatch, rows, with_bias):
+    """As on a CPU where oneDNN takes no bf16 products: an fp32 copy, the fp32 product rounded to
+    bf16, within one rounding of F.linear in bf16; non-bf16 inputs refused clearly."""
+    monkeypatch.setattr(linear, "onednn_bf16_products", lambda: False)
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 41, generator=gen) * 0.1).bfloat16()  # no panel copy: odd width
+    bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 41, generator=gen).bfloat16()
+    proj = Projection(weight, bias)
+    assert proj.widened and not proj.packed and proj.weight.dtype == torch.float32
+    got = proj(x)
+    assert got.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+    assert torch.equal(got, expected)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    assert torch.equal(proj.float_output(x), got.float())
+    assert torch.equal(proj.argmax(x), got.float().argmax(-1))
+    with pytest.raises(ValueError, match="bf16 projection got a torch.float32 input"):
+        proj(x.float())
+    assert not Projection(weight, bias, pack=False).widened  # the plain reference stays plain
+
+
 def test_packed_rejects_other_inputs_clearly():
     weight = torch.randn(8, 4).bfloat16()
     proj = Projection(weight)
     if not proj.packed:
-        pytest.skip("this torch build has no oneDNN packing")
+        pytest.skip("oneDNN takes no bf16 products here (no oneDNN, or an AVX2-only CPU)")
     with pytest.raises(ValueError, match="packed bf16 projection"):
         proj(torch.randn(3, 4))  # fp32 input
 
@@ -49,9 +85,9 @@ def _panel_projection(weight, bias=None, panel_rows=PANEL_ROWS):
     default (on an AMX CPU oneDNN takes all but the smallest row counts)."""
     proj = Projection(weight, bias, panel_rows=panel_rows)
     if proj.panel_linear is None:
-        if can_pack(weight):  # a failed build where a toolchain exists fails here
+        if cpu_kernels.should_build():  # a failed build where a toolchain exists fails here
             built_or_skip(cpu_kernels.layer_ops(), "layer ops")
-        pytest.skip("no panel kernel here (no oneDNN or no AVX512-BF16)")
+        pytest.skip("no panel kernel here (no compiler, or neither AVX512-BF16 nor AVX2)")
     return proj
 
 
@@ -129,22 +165,31 @@ def test_float_output_is_the_bf16_result_widened(rows):
         proj.panel_linear_float(torch.randn(1, 64), proj.panels, None)
 
 
+def _above_panels(x, weight):
+    """What a bf16 projection gives above its panel rows: oneDNN's product (F.linear's bits), or
+    where oneDNN takes no bf16 products the fp32 product rounded once."""
+    if can_pack(weight):
+        return F.linear(x, weight)
+    return F.linear(x.float(), weight.float()).bfloat16()
+
+
 def test_rows_go_to_the_panel_kernel_up_to_the_machines_crossover(monkeypatch):
-    """Up to `panel_rows` rows the panel kernel, above them oneDNN (F.linear's bits); the default
-    comes from the CPU, KVREPLAY_PANEL_ROWS overrides it, and a bad value is a clear error."""
+    """Up to `panel_rows` rows the panel kernel, above them oneDNN (F.linear's bits, or the
+    widened product); the default comes from the CPU (every row count where oneDNN takes no
+    bf16 products), KVREPLAY_PANEL_ROWS overrides it, and a bad value is a clear error."""
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(64, 96, generator=gen).bfloat16()
     x = torch.randn(6, 96, generator=gen).bfloat16()
     proj = _panel_projection(weight, panel_rows=3)
     assert proj.panel_rows == 3
     assert torch.equal(proj(x[:3]), proj.panel_linear(x[:3], proj.panels, None))
-    assert torch.equal(proj(x), F.linear(x, weight))
-    assert torch.equal(proj.float_output(x), F.linear(x, weight).float())
+    assert torch.equal(proj(x), _above_panels(x, weight))
+    assert torch.equal(proj.float_output(x), _above_panels(x, weight).float())
     monkeypatch.setenv("KVREPLAY_PANEL_ROWS", "0")
     assert machine_panel_rows() == 0
     none = Projection(weight)
     assert none.panel_linear is None and none.panels is None  # no second copy of the weight
-    assert torch.equal(none(x[:1]), F.linear(x[:1], weight))
+    assert torch.equal(none(x[:1]), _above_panels(x[:1], weight))
     monkeypatch.setenv("KVREPLAY_PANEL_ROWS", "7")
     assert machine_panel_rows() == 7 and Projection(weight).panel_rows == 7
     for bad in ("-1", "129", "many"):
@@ -154,7 +199,11 @@ def test_rows_go_to_the_panel_kernel_up_to_the_machines_crossover(monkeypatch):
     monkeypatch.delenv("KVREPLAY_PANEL_ROWS")
     amx_panels = cpu_kernels.layer_ops().has_amx_panels()
     expected = PANEL_ROWS if not cpu_kernels.has_amx_bf16() else PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
-    assert machine_panel_rows() == expected
+    assert machine_panel_rows() == (expected if onednn_bf16_products() else PANEL_ROWS_ANY)
+    if not onednn_bf16_products():  # every row count on the panels, and no fp32 copy beside them
+        every = Projection(weight)
+        assert every.panel_rows == PANEL_ROWS_ANY and not every.widened
+        assert torch.equal(every(x), every.panel_linear(x, every.panels, None))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 31, 32, 33, 64, 100, 128])

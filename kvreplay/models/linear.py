@@ -5,7 +5,9 @@ On CPU in bf16 two layouts of each weight are kept:
   every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
   `machine_panel_rows()` rows (prefill chunks, mixed steps).
 - a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
-  1-`machine_panel_rows()` rows, i.e. decode steps. On an AVX512-BF16 CPU without AMX it runs
+  1-`machine_panel_rows()` rows, i.e. decode steps (on an AVX2-only CPU too: there each thread
+  widens a slice of a panel to fp32 at a time, fp32 FMAs, the same sums). On an AVX512-BF16 CPU
+  without AMX it runs
   on the vector units: at one row it streams the weights in order (the whole decode step's
   matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each weight load feeds
   up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and ~28). On a CPU
@@ -20,12 +22,18 @@ instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, again
 kernel expands them to bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the
 same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of the bytes a
 decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
+On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
+a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
+result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
+where PyTorch's own bf16 matmul there is ~4x slower than fp32 (docs/benchmarks.md).
 Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +53,10 @@ PANEL_ROWS = 128
 PANEL_ROWS_AMX = 64
 # ...and where oneDNN has the tiles but the panel kernel does not (an older compiler).
 PANEL_ROWS_AMX_ONEDNN_ONLY = 2
+# ...and where oneDNN takes no bf16 products (an AVX2-only CPU), every row count: there the panel
+# kernel beats PyTorch's fp32 matmul of the widened weights from 1 to 512 rows (1.1-3.4x,
+# docs/benchmarks.md), and a row's result then never depends on how many rows came with it.
+PANEL_ROWS_ANY = sys.maxsize
 
 
 # GGUF block formats the panel kernel reads as they are (layer_ops.cpp pack_quant_panels)
@@ -102,8 +114,8 @@ def quant_panels_enabled() -> bool:
 
 
 def machine_panel_rows() -> int:
-    """Most rows a bf16 projection hands to the panel kernel on this machine;
-    KVREPLAY_PANEL_ROWS (0-128) overrides it."""
+    """Most rows a bf16 projection hands to the panel kernel on this machine (every count where
+    oneDNN takes no bf16 products); KVREPLAY_PANEL_ROWS (0-128) overrides it."""
     value = os.environ.get("KVREPLAY_PANEL_ROWS", "").strip()
     if value:
         try:
@@ -113,6 +125,8 @@ def machine_panel_rows() -> int:
         if not 0 <= rows <= PANEL_ROWS:
             raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
         return rows
+    if not onednn_bf16_products():
+        return PANEL_ROWS_ANY
     if not cpu_kernels.has_amx_bf16():
         return PANEL_ROWS
     ops = cpu_kernels.layer_ops()
@@ -120,16 +134,42 @@ def machine_panel_rows() -> int:
     return PANEL_ROWS_AMX if amx_panels else PANEL_ROWS_AMX_ONEDNN_ONLY
 
 
+@functools.cache
+def onednn_bf16_products() -> bool:
+    """Whether oneDNN takes bf16 products on this CPU. It needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT: on an AVX2-only CPU (a Zen 3, say) its weight reorder refuses bf16, and
+    PyTorch's own bf16 matmul there is ~4x slower than its fp32 one. Tried once on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=torch.bfloat16), 1)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 32, dtype=torch.bfloat16), packed, None,
+                                               "none", [], "")
+        return bool((y == 32).all())
+    except RuntimeError as exc:
+        log.info("oneDNN takes no bf16 products on this CPU (%s): bf16 projections run in fp32",
+                 str(exc).splitlines()[0])
+        return False
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and onednn_bf16_products())
+
+
+def widens(weight: torch.Tensor) -> bool:
+    """Whether a bf16 projection of `weight` runs as an fp32 product (rounded back to bf16): on a
+    CPU where oneDNN takes no bf16 products. Same arithmetic as a bf16 product (exact products,
+    fp32 sums, one rounding), at the fp32 matmul's speed."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and not onednn_bf16_products())
 
 
 def _panel_ops(weight: torch.Tensor):
     """The layer ops when the panel kernel can take this weight, else None."""
-    if not (can_pack(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
+    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
         return None
     ops = cpu_kernels.layer_ops()
     return ops if ops is not None and ops.has_panel_linear() else None
@@ -169,7 +209,7 @@ class Projection:
         still answer in the weight's own order."""
         self.bias = bias
         self.packed = pack and can_pack(weight)
-        ops = _panel_ops(weight) if self.packed else None
+        ops = _panel_ops(weight) if pack else None
         self.panel_rows = 0 if ops is None else machine_panel_rows() if panel_rows is None \
             else min(panel_rows, PANEL_ROWS)
         if self.panel_rows == 0:
@@ -200,6 +240,12 @@ class Projection:
                 self.panels = ops.pack_panels(weight)
         if self.output_order is not None:
             weight = weight[self.output_order]  # back in its own order for oneDNN
+        # where oneDNN takes no bf16 products: an fp32 copy for PyTorch's fp32 matmul instead,
+        # unless the panel kernel takes every row count
+        self.widened = pack and widens(weight) and self.panel_rows < PANEL_ROWS_ANY
+        if self.widened:
+            weight = weight.float()
+            self.bias = None if bias is None else bias.float()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) \
             if self.packed else weight
 
@@ -220,6 +266,10 @@ class Projection:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
+        if self.widened:
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")
+            return F.linear(x.float(), self.weight, self.bias).to(torch.bfloat16)
         return F.linear(x, self.weight, self.bias)
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,5 +284,5 @@ class Projection:
         head of a greedy step. The panel kernel keeps each row's running maximum instead of
         storing the logits (~0.3 ms of a batch-32 decode step here, docs/benchmarks.md)."""
         if self.panel_argmax is not None and self.output_order is None and self.on_panels(x):
-            return self.panel_argmax(x, self.panels, self.bias)
+            return self.panel_argmax(x, self.panels, self.panel_bias)
         return self.float_output(x).argmax(dim=-1)

@@ -22,7 +22,9 @@
 //       all matmuls of a decode step take 6-8 ms at batch 1 (oneDNN: ~13 ms), ~10 ms at batch 12
 //       (oneDNN: ~15 ms) and ~23 ms at batch 32 (oneDNN: ~28 ms). On a CPU with AMX tiles
 //       (K a multiple of 32) the same panels go through the tiles instead: ~10.5 ms from 2 to
-//       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms).
+//       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms). On an
+//       AVX2-only CPU (no bf16 instructions: a Zen 3) each thread widens a slice of a panel to
+//       fp32 at a time and runs fp32 FMAs (below): the same sums, within one rounding.
 //   pack_quant_panels(blocks, K, format) / expand_quant_panels(packed)
 //       The panel copy of a GGUF tensor kept as its Q4_0 / Q4_1 / Q8_0 blocks (a third or half
 //       of the bf16 panels' bytes); panel_linear and decode_layer take it like a bf16 panel and
@@ -98,6 +100,21 @@ inline __m512 neg(__m512 v) {  // flips the sign bit, as PyTorch's neg (0 -> -0)
 }
 #endif
 
+// The sum of h[i]^2 in one fixed order: 16 running sums (lane i % 16), then the tail, then the
+// lanes pairwise. (An `omp simd` reduction let the compiler peel iterations up to the buffer's
+// alignment, which differs between the threads' buffers: a row's sum then depended on which
+// thread took it, i.e. on how many rows came with it, seen on an AVX2 CPU.)
+inline float sum_of_squares(const float* h, int64_t H) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += h[i + l] * h[i + l];
+  for (; i < H; ++i) lanes[i % 16] += h[i] * h[i];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
 template <typename T>
 void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t rows, int64_t H,
               float eps) {
@@ -129,9 +146,7 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
         for (; i < H; ++i) h[i] = f32(xr[i]);
         if (hidden) std::memcpy(hidden + r * H, xr, H * sizeof(T));  // the stream starts as x
       }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += h[i] * h[i];
+      const float ss = sum_of_squares(h, H);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
       int64_t i = 0;
@@ -252,6 +267,18 @@ void rope_write_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVREPLAY_AVX2_SILU 1
+// 8 bf16 outputs of silu(gate) * up with the 16-lane code's arithmetic (exp8 = exp16 lane for lane)
+inline void silu8(const uint16_t* gate, const uint16_t* up, uint16_t* out) {
+  const __m256 x = kvreplay_simd::widen8(gate);
+  const __m256 minus = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), _mm256_set1_epi32(INT32_MIN)));
+  const __m256 silu = kvreplay_simd::round_bf16x8(
+      _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), kvreplay_simd::exp8(minus))));
+  kvreplay_simd::store_rounded8(out, _mm256_mul_ps(silu, kvreplay_simd::widen8(up)));
+}
+#endif
+
 // silu(gate) * up for gate_up = [gate | up] rows: silu rounded to the dtype, then the product,
 // as F.silu(gate) * up does. silu(x) = x / (1 + e^-x); the vector exp below is within ~2e-7
 // relative of the library's (simd.h), so a bf16 result differs from PyTorch's by one step at
@@ -272,6 +299,13 @@ void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t F) {
           const __m512 silu = rnd(_mm512_div_ps(x, _mm512_add_ps(one, exp16(neg(x)))), o);
           st(o + i, _mm512_mul_ps(silu, ld(u + i)));
         }
+      }
+#endif
+#if defined(KVREPLAY_AVX2_SILU)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // silu_panel's 8-lane arithmetic
+        const auto* gb = reinterpret_cast<const uint16_t*>(g);
+        const auto* ub = reinterpret_cast<const uint16_t*>(u);
+        for (; i + 8 <= F; i += 8) silu8(gb + i, ub + i, reinterpret_cast<uint16_t*>(o) + i);
       }
 #endif
       for (; i < F; ++i) {
@@ -487,7 +521,32 @@ at::Tensor expand_quant_panels(const at::Tensor& packed) {
     }
   });
 #else
-  TORCH_CHECK(false, "expand_quant_panels: this build has no AVX512-BF16 (check has_panel_linear first)");
+  // the same arithmetic one weight at a time (tests and checks only on such a build)
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t kblocks = K / kQuantBlock;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t p = t / kPanelTiles, t0 = p * kPanelTiles, width = std::min(kPanelTiles, tiles - t0);
+    const uint8_t* panel = q + t0 * kblocks * record;
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      const uint8_t* rec = panel + (kb * width + (t - t0)) * record;
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t lane_out = i < 16 ? i / 2 : 8 + (i - 16) / 2, e = i % 2;
+          const float d = half_to_float(rec + (record == kQ4_1Record ? 256 : 512) + 2 * lane_out);
+          float v;
+          if (record == kQ4_1Record) {
+            const uint8_t byte = rec[j * 16 + i % 16];
+            v = std::fma(d, static_cast<float>(i < 16 ? byte & 0x0F : byte >> 4), half_to_float(rec + 288 + 2 * lane_out));
+          } else {
+            v = static_cast<float>(static_cast<int8_t>(rec[j * 32 + i])) * d;
+          }
+          // bf16 panel layout: panel t0, pair kb * 16 + j, output (t - t0) * 16 + lane_out, e
+          o[((t0 * kLanes * K / 2) + (kb * 16 + j) * width * kLanes + (t - t0) * kLanes + lane_out) * 2 + e] =
+              c10::BFloat16(v).x;
+        }
+    }
+  }
 #endif
   return out;
 }
@@ -544,6 +603,163 @@ void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT
       case 7: panel_block<7, T>(xm, w, bias, om, N, K); break;
       default: panel_block<kRowBlock, T>(xm, w, bias, om, N, K); break;
     }
+  }
+}
+#endif
+
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVREPLAY_AVX2_PANELS 1
+// ---- the same products on AVX2 (CPUs without bf16 instructions: a Zen 3, say) ----
+// Each thread takes a panel kAvx2Chunk input columns (k) at a time: it widens that slice of the
+// panel to fp32, k-major ([kc][48] floats, 12 KB: L1), from the bf16 pairs or the quantized
+// records with the arithmetic above, then runs every block of up to 4 rows of x (widened once
+// per call) over it, 12 fp32 FMA accumulators for 4 rows x 24 outputs, one weight load feeding
+// 4 rows; the running sums wait in an [M][48] fp32 array between slices. bf16 x bf16 products
+// are exact in fp32 and an FMA rounds once, so every output is one fp32 sum over k in order,
+// plus the bias, rounded once to bf16, as on the AVX-512 kernel (whose pair dot products add
+// each pair's odd product first: results agree within that one rounding).
+constexpr int64_t kWide = kPanelTiles * kLanes;  // floats a k-row of the widened slice
+constexpr int64_t kAvx2Chunk = 64;               // k a slice (a multiple of the 32-k blocks)
+
+using kvreplay_simd::round_bf16x8;
+using kvreplay_simd::store_rounded8;
+using kvreplay_simd::widen8;
+
+// Input columns [k0, k0 + kc) of a panel of `width` tiles into buf ([kc][kWide] fp32), from
+// bf16 pairs (w: the panel) or quantized records (q: the panel's; k0 and kc multiples of 32)
+void widen_slice(const uint16_t* w, const uint8_t* q, int64_t record, int64_t width, int64_t k0, int64_t kc,
+                 float* buf) {
+  const int64_t outputs = width * kLanes;
+  if (w) {  // pair j: the outputs' (k = 2j, 2j + 1) side by side
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t j = k0 / 2; j < (k0 + kc) / 2; ++j) {
+      float* row = buf + (2 * j - k0) * kWide;
+      for (int64_t o = 0; o < outputs; o += 8) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j * outputs + o) * 2));
+        _mm256_storeu_ps(row + o, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_storeu_ps(row + kWide + o, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+      }
+    }
+    return;
+  }
+  const bool q4 = record == kQ4_1Record;
+  // a record row's 16 bytes: even lanes (k = 2j) to bytes 0-7, odd lanes (k = 2j + 1) to 8-15
+  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t kb = k0 / kQuantBlock; kb < (k0 + kc) / kQuantBlock; ++kb)
+    for (int64_t t = 0; t < width; ++t) {
+      const uint8_t* rec = q + (kb * width + t) * record;
+      const uint8_t* scales = rec + (q4 ? 256 : 512);
+      const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))),
+                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))};
+      __m256 m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (q4) {
+        m[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288)));
+        m[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 304)));
+      }
+      for (int64_t j = 0; j < 16; ++j) {
+        __m128i half[2];  // outputs 0-7 and 8-15 of the tile, even lanes then odd ones
+        if (q4) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 16));
+          half[0] = _mm_shuffle_epi8(_mm_and_si128(raw, nibble), split);
+          half[1] = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), split);
+        } else {
+          half[0] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 32)), split);
+          half[1] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 32 + 16)), split);
+        }
+        float* row = buf + (kb * kQuantBlock - k0 + 2 * j) * kWide + t * kLanes;
+        for (int h = 0; h < 2; ++h)
+          for (int e = 0; e < 2; ++e) {
+            const __m128i bytes = e ? _mm_srli_si128(half[h], 8) : half[h];
+            const __m256 value = q4 ? _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), m[h])
+                                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d[h]);
+            _mm256_storeu_ps(row + e * kWide + h * 8, round_bf16x8(value));
+          }
+      }
+    }
+}
+
+// MB rows of x (fp32, row stride ldx, at the slice's first k) over a widened slice of kc k's,
+// C x 8 columns of it (buf at the first): running sums (row m at sums + m * kWide) carried on,
+// or started at zero when `first`. The 12 accumulators are named variables: as an array GCC
+// kept them in memory and stored each one after every FMA (x's float loads may alias __m256).
+template <int MB, int C>
+void avx2_block(const float* x, int64_t ldx, const float* buf, int64_t kc, float* sums, bool first) {
+  static_assert(MB >= 1 && MB <= 4 && C >= 1 && C <= 3, "4 rows x 3 columns of 8 at most");
+  const __m256 zero = _mm256_setzero_ps();
+  auto start = [&](int m, int c) {
+    return (m < MB && c < C && !first) ? _mm256_loadu_ps(sums + m * kWide + 8 * c) : zero;
+  };
+  __m256 a00 = start(0, 0), a01 = start(0, 1), a02 = start(0, 2), a10 = start(1, 0), a11 = start(1, 1),
+         a12 = start(1, 2), a20 = start(2, 0), a21 = start(2, 1), a22 = start(2, 2), a30 = start(3, 0),
+         a31 = start(3, 1), a32 = start(3, 2);
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* wk = buf + k * kWide;
+    __m256 w0 = _mm256_loadu_ps(wk);
+    __m256 w1 = C > 1 ? _mm256_loadu_ps(wk + 8) : zero;
+    __m256 w2 = C > 2 ? _mm256_loadu_ps(wk + 16) : zero;
+    // in registers: folded into each FMA as memory operands (GCC's choice), the 3 loads a k
+    // became 3 x MB, and the loads, not the FMAs, set the pace
+    asm("" : "+x"(w0), "+x"(w1), "+x"(w2));
+#define KVREPLAY_AVX2_ROW(m, r0, r1, r2)                           \
+    if constexpr (MB > m) {                                        \
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);      \
+      r0 = _mm256_fmadd_ps(xv, w0, r0);                            \
+      if constexpr (C > 1) r1 = _mm256_fmadd_ps(xv, w1, r1);       \
+      if constexpr (C > 2) r2 = _mm256_fmadd_ps(xv, w2, r2);       \
+    }
+    KVREPLAY_AVX2_ROW(0, a00, a01, a02)
+    KVREPLAY_AVX2_ROW(1, a10, a11, a12)
+    KVREPLAY_AVX2_ROW(2, a20, a21, a22)
+    KVREPLAY_AVX2_ROW(3, a30, a31, a32)
+#undef KVREPLAY_AVX2_ROW
+  }
+  const __m256 rows[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+  for (int m = 0; m < MB; ++m)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(sums + m * kWide + 8 * c, rows[m][c]);
+}
+
+template <int C>
+void avx2_rows(const float* x, int64_t ldx, const float* buf, int64_t kc, float* sums, int64_t M, bool first) {
+  const int64_t blocks = (M + 3) / 4;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m0) / (blocks - b);  // balanced, as panel_rows
+    const float* xm = x + m0 * ldx;
+    float* sm = sums + m0 * kWide;
+    switch (rows) {
+      case 1: avx2_block<1, C>(xm, ldx, buf, kc, sm, first); break;
+      case 2: avx2_block<2, C>(xm, ldx, buf, kc, sm, first); break;
+      case 3: avx2_block<3, C>(xm, ldx, buf, kc, sm, first); break;
+      default: avx2_block<4, C>(xm, ldx, buf, kc, sm, first); break;
+    }
+    m0 += rows;
+  }
+}
+
+// All M rows (x: [M][K] fp32) against one panel of `width` tiles (w or q, as widen_slice takes
+// them), into out (row stride ld): slice by slice, columns in groups of 24 (then 16 or 8)
+template <typename OutT>
+void avx2_panel(const float* x, const uint16_t* w, const uint8_t* q, int64_t record, int64_t width,
+                const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
+  float* buf = kvreplay_scratch::thread_buffer<float, 2>(kAvx2Chunk * kWide);
+  float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
+  const int64_t cols = width * kLanes;
+  for (int64_t k0 = 0; k0 < K; k0 += kAvx2Chunk) {
+    const int64_t kc = std::min(kAvx2Chunk, K - k0);
+    widen_slice(w, q, record, width, k0, kc, buf);
+    for (int64_t c0 = 0; c0 < cols;) {
+      const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
+      switch (groups) {
+        case 3: avx2_rows<3>(x + k0, K, buf + c0, kc, sums + c0, M, k0 == 0); break;
+        case 2: avx2_rows<2>(x + k0, K, buf + c0, kc, sums + c0, M, k0 == 0); break;
+        default: avx2_rows<1>(x + k0, K, buf + c0, kc, sums + c0, M, k0 == 0); break;
+      }
+      c0 += groups * 8;
+    }
+  }
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
   }
 }
 #endif
@@ -673,7 +889,7 @@ std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* na
   return {packed.size(0) * kLanes, packed.size(1) * 2};
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
 // Each row's largest output over the panels one thread computes, in panel order: 16 lanes per row
 // keep their largest value and its first index (a later equal value does not replace it), and the
 // first NaN is noted (torch.argmax answers a NaN's index, the first). Threads' results merge in
@@ -687,6 +903,18 @@ struct RowArgmax {
       : begin(first), best(M * 16, -std::numeric_limits<float>::infinity()), index(M * 16, INT32_MAX), nan(M, -1) {}
   // outputs [M, width] (row stride ld) of the panel whose first output is n0
   void scan(const float* outputs, int64_t ld, int64_t M, int64_t n0, int64_t width) {
+#if !defined(__AVX512BF16__)  // one output at a time, lane j % 16: what the vector code keeps
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < width && nan[m] < 0; ++j) {
+        const float v = outputs[m * ld + j];
+        if (std::isnan(v)) {
+          nan[m] = n0 + j;
+        } else if (v > best[m * 16 + j % 16]) {
+          best[m * 16 + j % 16] = v;
+          index[m * 16 + j % 16] = static_cast<int32_t>(n0 + j);
+        }
+      }
+#else
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t m = 0; m < M; ++m) {
       if (nan[m] >= 0) continue;
@@ -706,6 +934,7 @@ struct RowArgmax {
       _mm512_storeu_ps(best.data() + m * 16, b);
       _mm512_storeu_si512(index.data() + m * 16, bi);
     }
+#endif
   }
 };
 
@@ -741,6 +970,21 @@ void merge_argmax(std::vector<RowArgmax>& parts, int64_t M, int64_t* out) {
 void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, int64_t F, int64_t col0) {
   constexpr int64_t kStageRow = kPanelTiles * kLanes;
   const int64_t half = 8 * width;
+#if !defined(__AVX512BF16__)  // silu_rows' arithmetic, as this build's silu_mul runs it
+  using bf16 = c10::BFloat16;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* g = stage + m * kStageRow;
+    int64_t i = 0;
+#if defined(KVREPLAY_AVX2_SILU)
+    for (; i + 8 <= half; i += 8) silu8(g + i, g + half + i, out + m * F + col0 + i);
+#endif
+    for (; i < half; ++i) {
+      const float x = f32(bf16(g[i], bf16::from_bits())), up = f32(bf16(g[half + i], bf16::from_bits()));
+      out[m * F + col0 + i] = bf16(round_to<bf16>(x / (1.f + std::exp(-x))) * up).x;
+    }
+  }
+  return;
+#else
   const __m512 one = _mm512_set1_ps(1.f);
   auto* typed = reinterpret_cast<c10::BFloat16*>(out);
   for (int64_t m = 0; m < M; ++m) {
@@ -753,6 +997,7 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
       _mm256_mask_storeu_epi16(out + m * F + col0 + i, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
     }
   }
+#endif
 }
 #endif
 
@@ -778,7 +1023,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t F = N / 2;  // silu: the MLP width
   if (!out.defined() && !argmax)
     out = at::empty({M, silu ? F : N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
   if (M == 0) return out;
   // argmax, silu: each thread's panels go to a small buffer (L1) and are scanned / combined there
   constexpr int64_t kPanelWidth = kPanelTiles * kLanes;
@@ -816,12 +1061,14 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
   auto records = [=](int64_t p) { return qp + p * kPanelTiles * (K / kQuantBlock) * record; };  // panel p's
+#if defined(__AVX512BF16__)
   auto panel_weights = [=](int64_t p, uint16_t* buffer) -> const uint16_t* {
     const int64_t t0 = p * kPanelTiles;
     if (!quant) return wp + t0 * kLanes * K;
     expand_quant_panel(records(p), record, std::min(kPanelTiles, tiles - t0), K, buffer);
     return buffer;
   };
+#endif
 #if defined(KVREPLAY_AMX)
   if (K % 32 == 0 && amx_permitted()) {
     // blocks of r <= 16 rows, all of r rows, read from x in place; when the rows do not split
@@ -868,6 +1115,25 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     return out;
   }
 #endif
+#if defined(KVREPLAY_AVX2_PANELS)
+  std::vector<float> xf(static_cast<size_t>(M * K));  // x widened once, read by every panel
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(c10::BFloat16(xp[i], c10::BFloat16::from_bits()));
+  auto run = [&](auto* op) {
+    at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+      float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
+      RowArgmax part(argmax ? M : 0, begin);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
+        auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
+        avx2_panel(xf.data(), quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
+                   bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
+        finish_panel(part, local, n0, width);
+      }
+      if (argmax) keep_part(std::move(part));
+    });
+  };
+  (void)buffer_size;
+#else
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint16_t> buffer(buffer_size);
@@ -889,9 +1155,10 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
       if (argmax) keep_part(std::move(part));
     });
   };
+#endif
   for_outputs(run);
 #else
-  TORCH_CHECK(false, name, ": this build has no AVX512-BF16 (check has_panel_linear first)");
+  TORCH_CHECK(false, name, ": this build has neither AVX512-BF16 nor AVX2 (check has_panel_linear first)");
 #endif
   return out;
 }
@@ -1158,7 +1425,7 @@ bool has_amx_panels() {
 }
 
 bool has_panel_linear() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
   return true;
 #else
   return false;

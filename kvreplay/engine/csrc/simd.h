@@ -1,5 +1,5 @@
-// SIMD helpers shared by the CPU kernels (decode_attention.cpp, layer_ops.cpp), AVX-512 only,
-// and the per-thread scratch buffers both use.
+// SIMD helpers shared by the CPU kernels (decode_attention.cpp, layer_ops.cpp), AVX-512 (and a
+// few on AVX2 for CPUs without it), and the per-thread scratch buffers both use.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -47,6 +47,51 @@ inline bool switched_off(const char* name) {
 // Call this between writing such a buffer and loading tiles from it (it emits no instruction).
 inline void before_tile_loads() { __asm__ volatile("" ::: "memory"); }
 }  // namespace kvreplay_amx
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace kvreplay_simd {
+// exp16's arithmetic on 8 lanes (AVX2): the same clamp, reduction and polynomial; 2^n (n in
+// [-126, 127] after the clamp) built from its exponent bits, so the same result lane for lane.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// bf16 <-> fp32 on 8 lanes. bf16_bits8: v rounded to bf16 (nearest-even, a NaN to 0x7FC0, as
+// c10 rounds), the 16-bit patterns in the low halves of the 32-bit lanes.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m256 round_bf16x8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void store_rounded8(uint16_t* out, __m256 v) {
+  const __m256i bits = bf16_bits8(v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+inline void store_rounded8(float* out, __m256 v) { _mm256_storeu_ps(out, round_bf16x8(v)); }
+}  // namespace kvreplay_simd
 #endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
