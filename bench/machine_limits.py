@@ -14,6 +14,7 @@ the floor on one decode step: max(weight bytes / read bandwidth, FLOPs / matmul 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
                "Projection": (engine, lambda x, proj: proj(x))}
     floor_bw = weight_bytes / read_bandwidth
     blocks = [(w, i, "Q8_0" if index == len(plain) - 1 else "Q4_1") for index, (w, i) in enumerate(plain)]
+    os.environ["KVREPLAY_QUANT_PANELS"] = "1"  # the blocks even where the default is bf16 panels
     quantized = [(Projection(w, quantized=QuantizedWeight(fmt, random_blocks(fmt, *w.shape))), i)
                  for w, i, fmt in blocks]
     if dtype == torch.bfloat16 and all(p.panel_format != "bf16" for p, _ in quantized):

@@ -125,6 +125,7 @@ def test_bad_blocks_are_clear_errors(ops):
 
 
 def test_projection_keeps_the_blocks_where_it_can(ops, monkeypatch):
+    monkeypatch.setenv("KVREPLAY_QUANT_PANELS", "1")  # unset: the CPU decides (test below)
     raw = _blocks("Q4_1", 64, 128)
     weight = _bf16_weight("Q4_1", raw)
     blocks = QuantizedWeight("Q4_1", torch.from_numpy(raw))
@@ -140,9 +141,12 @@ def test_projection_keeps_the_blocks_where_it_can(ops, monkeypatch):
     monkeypatch.setenv("KVREPLAY_QUANT_PANELS", "yes")
     with pytest.raises(ValueError, match="KVREPLAY_QUANT_PANELS must be 0 or 1"):
         Projection(weight, quantized=blocks)
+    monkeypatch.delenv("KVREPLAY_QUANT_PANELS")  # the default: blocks unless the CPU is AVX2-only
+    expected = "Q4_1" if cpu_kernels.has_avx512_bf16() or not cpu_kernels._cpu_flags() else "bf16"
+    assert Projection(weight, quantized=blocks).panel_format == expected
 
 
-def test_q4_0_scale_too_large_for_the_panel_form(ops, caplog):
+def test_q4_0_scale_too_large_for_the_panel_form(ops, caplog, monkeypatch):
     """Q4_0 becomes d * q - 8 d: with |d| >= 8192 that offset overflows fp16, so such blocks are
     refused by the op and the Projection keeps bf16 panels (same products)."""
     raw = _blocks("Q4_0", 16, 32)
@@ -150,6 +154,7 @@ def test_q4_0_scale_too_large_for_the_panel_form(ops, caplog):
     with pytest.raises(RuntimeError, match="too large for the panel form"):
         ops.pack_quant_panels(torch.from_numpy(raw), 32, "Q4_0")
     weight = _bf16_weight("Q4_0", raw)
+    monkeypatch.setenv("KVREPLAY_QUANT_PANELS", "1")
     proj = Projection(weight, quantized=QuantizedWeight("Q4_0", torch.from_numpy(raw)))
     if proj.panels is not None:
         assert proj.panel_format == "bf16" and "kept as bf16 panels" in caplog.text

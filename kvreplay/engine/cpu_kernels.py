@@ -66,17 +66,27 @@ def need_block_mass() -> Any | None:
 
 
 @functools.cache
-def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX bf16 tiles (Linux's /proc/cpuinfo flags, read once; False where
-    unknown)."""
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags (Linux's /proc/cpuinfo, read once; empty where unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles (False where unknown)."""
+    return "amx_bf16" in _cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 pair dot products (False where unknown); without them the
+    layer ops' panel kernel is the AVX2 one (fp32 FMAs on widened weights)."""
+    return "avx512_bf16" in _cpu_flags()
 
 
 def prefill_attention(only_where_faster: bool = True) -> Any | None:

@@ -108,8 +108,14 @@ def env_switch(name: str) -> bool:
 
 
 def quant_panels_enabled() -> bool:
-    """KVREPLAY_QUANT_PANELS=0 gives GGUF block weights bf16 panels like any other weight (for
-    comparisons); 1 or unset: their panels keep the blocks."""
+    """Whether GGUF block weights keep their blocks in the panel copy: KVREPLAY_QUANT_PANELS=1
+    yes, 0 no (bf16 panels like any other weight). Unset: yes where the CPU has AVX512-BF16 (or
+    is unknown), no on an AVX2-only CPU, where expanding a block weight to fp32 (its bf16
+    rounding, per weight) costs more than reading the bf16 weight: a decode step's products took
+    20.7 against 13.6 ms at batch 1 and 76 against 61 ms at batch 32 (bench/machine_limits.py,
+    docs/benchmarks.md), for 173 MB more memory."""
+    if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels._cpu_flags():
+        return cpu_kernels.has_avx512_bf16()
     return env_switch("KVREPLAY_QUANT_PANELS")
 
 
