@@ -130,6 +130,22 @@ def test_panel_kernel_narrow_weights_and_thread_counts():
         assert torch.equal(proj(x), one)
 
 
+@pytest.mark.parametrize("outputs", [16, 32, 48, 112])
+def test_panel_kernel_row_alone_equals_it_among_others(outputs):
+    """A row's outputs do not depend on the rows that come with it (one row takes its own path
+    on some CPUs: the AVX2 kernel widens the pairs in registers), bias and widening included."""
+    gen = torch.Generator().manual_seed(outputs)
+    weight = torch.randn(outputs, 96, generator=gen).bfloat16()
+    bias = torch.randn(outputs, generator=gen).bfloat16()
+    proj = _panel_projection(weight, bias)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    together, widened = proj.panel_linear(x, proj.panels, bias), proj.panel_linear_float(x, proj.panels, bias)
+    for row in (0, 4, 8):
+        assert torch.equal(proj.panel_linear(x[row:row + 1], proj.panels, bias), together[row:row + 1])
+        assert torch.equal(proj.panel_linear_float(x[row:row + 1], proj.panels, bias), widened[row:row + 1])
+    assert torch.equal(widened, together.float())
+
+
 def test_panel_kernel_rejects_bad_inputs():
     proj = _panel_projection(torch.randn(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="panel_linear: x must be"):

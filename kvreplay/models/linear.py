@@ -5,12 +5,12 @@ On CPU in bf16 two layouts of each weight are kept:
   every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
   `machine_panel_rows()` rows (prefill chunks, mixed steps).
 - a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
-  1-`machine_panel_rows()` rows, i.e. decode steps (on an AVX2-only CPU too: there each thread
-  widens a slice of a panel to fp32 at a time, fp32 FMAs, the same sums). On an AVX512-BF16 CPU
-  without AMX it runs
-  on the vector units: at one row it streams the weights in order (the whole decode step's
-  matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at 8-32 rows each weight load feeds
-  up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against oneDNN's ~15 and ~28). On a CPU
+  1-`machine_panel_rows()` rows, i.e. decode steps (on an AVX2-only CPU every row count: there
+  each thread widens a slice of a panel to fp32 at a time, fp32 FMAs, the same sums). On an
+  AVX512-BF16 CPU without AMX it runs on the vector units: at one row it streams the weights in
+  order (the whole decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at
+  8-32 rows each weight load feeds up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against
+  oneDNN's ~15 and ~28). On a CPU
   with AMX tiles it runs on them: ~10.5 ms at 2-16 rows (the weights' stream from memory),
   ~14.5 at 32, ~21.7 at 64, against oneDNN's ~14.5, ~17.5 and ~22.3; oneDNN wins from ~96 rows
   (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
