@@ -110,8 +110,9 @@ def env_switch(name: str) -> bool:
 def quant_panels_enabled() -> bool:
     """Whether GGUF block weights keep their blocks in the panel copy: KVREPLAY_QUANT_PANELS=1
     yes, 0 no (bf16 panels like any other weight). Unset: yes where the CPU has AVX512-BF16 (or
-    is unknown), no on an AVX2-only CPU, where expanding a block weight to fp32 (its bf16
-    rounding, per weight) costs more than reading the bf16 weight: a decode step's products took
+    is unknown), no without it (the AVX2 kernel's CPUs: AVX2 only, or AVX-512 without BF16),
+    where expanding a block weight to fp32 (its bf16 rounding, per weight) costs more than
+    reading the bf16 weight: on a Zen 3 a decode step's products took
     20.7 against 13.6 ms at batch 1 and 76 against 61 ms at batch 32 (bench/machine_limits.py,
     docs/benchmarks.md), for 173 MB more memory."""
     if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels._cpu_flags():
@@ -159,23 +160,24 @@ def onednn_bf16_products() -> bool:
         return False
 
 
+def _cpu_bf16_matrix(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and onednn_bf16_products())
+    return _cpu_bf16_matrix(weight) and onednn_bf16_products()
 
 
 def widens(weight: torch.Tensor) -> bool:
     """Whether a bf16 projection of `weight` runs as an fp32 product (rounded back to bf16): on a
     CPU where oneDNN takes no bf16 products. Same arithmetic as a bf16 product (exact products,
     fp32 sums, one rounding), at the fp32 matmul's speed."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and not onednn_bf16_products())
+    return _cpu_bf16_matrix(weight) and not onednn_bf16_products()
 
 
 def _panel_ops(weight: torch.Tensor):
     """The layer ops when the panel kernel can take this weight, else None."""
-    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
+    if not (_cpu_bf16_matrix(weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0):
         return None
     ops = cpu_kernels.layer_ops()
     return ops if ops is not None and ops.has_panel_linear() else None

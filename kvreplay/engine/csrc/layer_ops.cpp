@@ -78,6 +78,12 @@ namespace {
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
 template <typename T> inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// The AVX2 kernels below (bf16 widened to fp32, FMAs) serve where the AVX512-BF16 ones cannot:
+// an AVX2-only CPU, or AVX-512 without BF16 (Skylake to Ice Lake).
+#if !defined(__AVX512BF16__) && defined(KVREPLAY_HAVE_AVX2)
+#define KVREPLAY_AVX2 1
+#endif
+
 template <typename T> constexpr bool kVecT = false;  // dtypes with a 16-lane path
 #if defined(__AVX512BF16__)
 template <> constexpr bool kVecT<float> = true;
@@ -267,8 +273,7 @@ void rope_write_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVREPLAY_AVX2_SILU 1
+#if defined(KVREPLAY_AVX2)
 // 8 bf16 outputs of silu(gate) * up with the 16-lane code's arithmetic (exp8 = exp16 lane for lane)
 inline void silu8(const uint16_t* gate, const uint16_t* up, uint16_t* out) {
   const __m256 x = kvreplay_simd::widen8(gate);
@@ -283,36 +288,37 @@ inline void silu8(const uint16_t* gate, const uint16_t* up, uint16_t* out) {
 // as F.silu(gate) * up does. silu(x) = x / (1 + e^-x); the vector exp below is within ~2e-7
 // relative of the library's (simd.h), so a bf16 result differs from PyTorch's by one step at
 // most, rarely.
+// One row of it: o[i] = silu(g[i]) * u[i] for i < n (silu_rows, and silu_panel on AVX2)
+template <typename T>
+void silu_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (kVecT<T>) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = ld(g + i);
+      const __m512 silu = rnd(_mm512_div_ps(x, _mm512_add_ps(one, exp16(neg(x)))), o);
+      st(o + i, _mm512_mul_ps(silu, ld(u + i)));
+    }
+  }
+#endif
+#if defined(KVREPLAY_AVX2)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const auto* gb = reinterpret_cast<const uint16_t*>(g);
+    const auto* ub = reinterpret_cast<const uint16_t*>(u);
+    for (; i + 8 <= n; i += 8) silu8(gb + i, ub + i, reinterpret_cast<uint16_t*>(o) + i);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = f32(g[i]);
+    o[i] = static_cast<T>(round_to<T>(x / (1.f + std::exp(-x))) * f32(u[i]));
+  }
+}
+
 template <typename T>
 void silu_rows(const T* gate_up, T* out, int64_t rows, int64_t F) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up + r * 2 * F;
-      const T* u = g + F;
-      T* o = out + r * F;
-      int64_t i = 0;
-#if defined(__AVX512BF16__)
-      if constexpr (kVecT<T>) {
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= F; i += 16) {
-          const __m512 x = ld(g + i);
-          const __m512 silu = rnd(_mm512_div_ps(x, _mm512_add_ps(one, exp16(neg(x)))), o);
-          st(o + i, _mm512_mul_ps(silu, ld(u + i)));
-        }
-      }
-#endif
-#if defined(KVREPLAY_AVX2_SILU)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // silu_panel's 8-lane arithmetic
-        const auto* gb = reinterpret_cast<const uint16_t*>(g);
-        const auto* ub = reinterpret_cast<const uint16_t*>(u);
-        for (; i + 8 <= F; i += 8) silu8(gb + i, ub + i, reinterpret_cast<uint16_t*>(o) + i);
-      }
-#endif
-      for (; i < F; ++i) {
-        const float x = f32(g[i]);
-        o[i] = static_cast<T>(round_to<T>(x / (1.f + std::exp(-x))) * f32(u[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_row(gate_up + r * 2 * F, gate_up + r * 2 * F + F, out + r * F, F);
   });
 }
 
@@ -607,9 +613,8 @@ void panel_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT
 }
 #endif
 
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVREPLAY_AVX2_PANELS 1
-// ---- the same products on AVX2 (CPUs without bf16 instructions: a Zen 3, say) ----
+#if defined(KVREPLAY_AVX2)
+// ---- the same products on AVX2 (CPUs without bf16 instructions: a Zen 3, a Skylake-X) ----
 // Each thread takes a panel kAvx2Chunk input columns (k) at a time: it widens that slice of the
 // panel to fp32, k-major ([kc][48] floats, 12 KB: L1), from the bf16 pairs or the quantized
 // records with the arithmetic above, then runs every block of up to 4 rows of x (widened once
@@ -931,7 +936,7 @@ std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* na
   return {packed.size(0) * kLanes, packed.size(1) * 2};
 }
 
-#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
 // Each row's largest output over the panels one thread computes, in panel order: 16 lanes per row
 // keep their largest value and its first index (a later equal value does not replace it), and the
 // first NaN is noted (torch.argmax answers a NaN's index, the first). Threads' results merge in
@@ -1013,19 +1018,10 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
   constexpr int64_t kStageRow = kPanelTiles * kLanes;
   const int64_t half = 8 * width;
 #if !defined(__AVX512BF16__)  // silu_rows' arithmetic, as this build's silu_mul runs it
-  using bf16 = c10::BFloat16;
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* g = stage + m * kStageRow;
-    int64_t i = 0;
-#if defined(KVREPLAY_AVX2_SILU)
-    for (; i + 8 <= half; i += 8) silu8(g + i, g + half + i, out + m * F + col0 + i);
-#endif
-    for (; i < half; ++i) {
-      const float x = f32(bf16(g[i], bf16::from_bits())), up = f32(bf16(g[half + i], bf16::from_bits()));
-      out[m * F + col0 + i] = bf16(round_to<bf16>(x / (1.f + std::exp(-x))) * up).x;
-    }
-  }
-  return;
+  const auto* typed = reinterpret_cast<const c10::BFloat16*>(stage);
+  for (int64_t m = 0; m < M; ++m)
+    silu_row(typed + m * kStageRow, typed + m * kStageRow + half,
+             reinterpret_cast<c10::BFloat16*>(out) + m * F + col0, half);
 #else
   const __m512 one = _mm512_set1_ps(1.f);
   auto* typed = reinterpret_cast<c10::BFloat16*>(out);
@@ -1065,7 +1061,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t F = N / 2;  // silu: the MLP width
   if (!out.defined() && !argmax)
     out = at::empty({M, silu ? F : N}, x.options().dtype(widen ? at::kFloat : at::kBFloat16));
-#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
   if (M == 0) return out;
   // argmax, silu: each thread's panels go to a small buffer (L1) and are scanned / combined there
   constexpr int64_t kPanelWidth = kPanelTiles * kLanes;
@@ -1099,11 +1095,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t tiles = N / kLanes;
   // panel p's bf16 weights: in place, or expanded from quantized records into `buffer`
   const bool quant = packed.scalar_type() == at::kByte;
-  const int64_t record = quant ? packed.size(2) : 0, buffer_size = quant ? kPanelTiles * kLanes * K : 0;
+  const int64_t record = quant ? packed.size(2) : 0;
   const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
   auto records = [=](int64_t p) { return qp + p * kPanelTiles * (K / kQuantBlock) * record; };  // panel p's
 #if defined(__AVX512BF16__)
+  const int64_t buffer_size = quant ? kPanelTiles * kLanes * K : 0;
   auto panel_weights = [=](int64_t p, uint16_t* buffer) -> const uint16_t* {
     const int64_t t0 = p * kPanelTiles;
     if (!quant) return wp + t0 * kLanes * K;
@@ -1157,7 +1154,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     return out;
   }
 #endif
-#if defined(KVREPLAY_AVX2_PANELS)
+#if defined(KVREPLAY_AVX2)
   std::vector<float> xf(static_cast<size_t>(M * K));  // x widened once, read by every panel
   for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(c10::BFloat16(xp[i], c10::BFloat16::from_bits()));
   auto run = [&](auto* op) {
@@ -1174,7 +1171,6 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
       if (argmax) keep_part(std::move(part));
     });
   };
-  (void)buffer_size;
 #else
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
@@ -1467,7 +1463,7 @@ bool has_amx_panels() {
 }
 
 bool has_panel_linear() {
-#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2_PANELS)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
   return true;
 #else
   return false;
