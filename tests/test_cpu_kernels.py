@@ -33,8 +33,9 @@ def _case(dtype, num_seqs, lengths, num_kv=3, group=3, head_dim=64, block_size=1
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim,group,block_size", [
-    (64, 3, 16), (128, 1, 16),  # fixed head sizes, 16-token blocks: the AVX-512 block path
+    (64, 3, 16), (128, 1, 16),  # fixed head sizes, 16-token blocks: the vector block path (AVX-512 or AVX2)
     (64, 7, 16), (128, 3, 16),  # query heads per KV head beyond one register group (4 / 2) and a rest
+    (64, 5, 16),                # AVX2's groups of 3 heads and a rest of 2
     (64, 3, 8), (32, 4, 16)])   # other block size / runtime head size: the plain loops
 def test_kernel_matches_pytorch_path(op, dtype, tol, head_dim, group, block_size):
     lengths = [1, 15, 16, 17, 100, 300, 47]  # partial and full last blocks, very unequal rows

@@ -14,7 +14,8 @@
 // Work is split over (sequence, KV head) pairs, a long row's pairs into chunks of 32 blocks
 // (merged by their log-sum-exps; see decode_rows); the G = Hq / Hkv query heads that share a KV
 // head are handled together: each value row is widened to fp32 once for all of them, and with
-// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows). On a CPU
+// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows); with AVX2
+// only, the same block steps run on 8 lanes (keys and values widened in registers). On a CPU
 // with AMX tiles, bf16 rows with 16-token blocks and a head size of 64 or 128 take their scores
 // (and at 64 their values too) from tile multiplies instead (below; KVREPLAY_AMX_ATTENTION=0
 // keeps the vector path): ~1.3x less time with the cache in L2, about the same from memory.
@@ -60,9 +61,31 @@ struct Outputs {
 // Block-level score and value steps. With AVX-512, 16-token blocks and a head size fixed at
 // compile time (a multiple of 16), one block's 16 dot products per query head reduce together
 // (a transpose-and-add tree instead of 16 horizontal sums) and each head's output accumulator
-// stays in registers across the block's rows. Otherwise plain loops the compiler vectorizes.
+// stays in registers across the block's rows. With AVX2 only, the same steps on 8 lanes (below).
+// Otherwise plain loops the compiler vectorizes.
+#if defined(__AVX512F__) || defined(KVREPLAY_HAVE_AVX2)
+// Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead of the score
+// pass: it asks for the keys of the block kPrefetchAhead on into L2 (which takes more misses in
+// flight than L1; 8 measured best of 4/8/12/16 on this machine), for the next block's keys into
+// L1, and for the current block's values into L2 (read by the second pass). With 30 layers of
+// cache in memory (not L3) and scattered blocks: 12 x 650 tokens 429 -> ~320 us per layer.
+constexpr int64_t kPrefetchAhead = 8;
+template <typename T>
+inline void prefetch_to_l1(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+template <typename T>
+inline void prefetch_to_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+// the element types the block steps load (widened to fp32 in registers)
+template <typename T> constexpr bool kLoads16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#endif
+
 #if defined(__AVX512F__)
-constexpr bool kHaveAvx512 = true;
+constexpr bool kVectorBlocks = true;  // the block steps below exist on this build
 using kvreplay_simd::exp16;
 using kvreplay_simd::lane_sums16;
 using kvreplay_simd::load16;
@@ -95,25 +118,6 @@ inline float max_of(const float* sg, int64_t L) {
                                        _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (L - t)) - 1u), sg + t));
   return _mm512_reduce_max_ps(best);
 }
-
-// Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead of the score
-// pass: it asks for the keys of the block kPrefetchAhead on into L2 (which takes more misses in
-// flight than L1; 8 measured best of 4/8/12/16 on this machine), for the next block's keys into
-// L1, and for the current block's values into L2 (read by the second pass). With 30 layers of
-// cache in memory (not L3) and scattered blocks: 12 x 650 tokens 429 -> ~320 us per layer.
-constexpr int64_t kPrefetchAhead = 8;
-template <typename T>
-inline void prefetch_to_l1(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-template <typename T>
-inline void prefetch_to_l2(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
-}
-
-template <typename T> constexpr bool kLoads16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 // scores[g * L + r] = qf[g] . k[r] for the block's `rows` (<= 16) keys k (cache rows, D apart)
 template <int D, typename T>
@@ -200,8 +204,132 @@ template <int D>
 inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
                                 float, float*) {}
 #endif
+#elif defined(KVREPLAY_HAVE_AVX2)
+// The same block steps with AVX2 (8 lanes): a block's keys in two groups of 8, each group's 8 dot
+// products per query head reduced by one transpose-and-add tree (lane_sums8), the values
+// accumulated for up to 3 heads at a time, 32 dimensions at a time, in registers. Softmax with
+// exp8 (exp16's arithmetic lane for lane). No bf16 dot products here: keys and values are
+// widened in registers as they load.
+constexpr bool kVectorBlocks = true;
+constexpr bool kHaveBf16Dot = false;
+using kvreplay_simd::exp8;
+
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const c10::BFloat16* src) { return kvreplay_simd::widen8(reinterpret_cast<const uint16_t*>(src)); }
+
+// out lane r = sum of the 8 lanes of p[r]
+inline __m256 lane_sums8(const __m256* p) {
+  const __m256 h01 = _mm256_hadd_ps(p[0], p[1]), h23 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 h45 = _mm256_hadd_ps(p[4], p[5]), h67 = _mm256_hadd_ps(p[6], p[7]);
+  // per 128-bit lane: one partial sum for each of rows 0..3 (low) and 4..7 (high)
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// sg[t] = e^(sg[t] - m) for t < L; returns their sum
+inline float exp_shifted(float* sg, int64_t L, float m) {
+  const __m256 shift = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), shift));
+    _mm256_storeu_ps(sg + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  if (t < L) {  // the tail through one padded vector (its padding never stored nor added)
+    alignas(32) float tail[8] = {};
+    for (int64_t i = t; i < L; ++i) tail[i - t] = sg[i] - m;
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    for (int64_t i = t; i < L; ++i) {
+      sg[i] = tail[i - t];
+      sum += tail[i - t];
+    }
+  }
+  return sum;
+}
+
+// the largest of sg[0 .. L - 1]
+inline float max_of(const float* sg, int64_t L) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(sg + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, lanes[i]);
+  for (; t < L; ++t) m = std::max(m, sg[t]);
+  return m;
+}
+
+// scores[g * L + r] = qf[g] . k[r] for the block's `rows` (<= 16) keys k (cache rows, D apart).
+// Rows past `rows` (stale cache rows of the block's last part) are summed in their own lanes and
+// never stored.
+template <int D, typename T>
+inline void block_scores16(const float* qf, const T* buf, int64_t rows, int64_t G, int64_t L,
+                           float* scores) {
+  constexpr int C = D / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = qf + g * D;
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      __m256 partial[8];
+      for (int r = 0; r < 8; ++r) partial[r] = _mm256_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+        for (int r = 0; r < 8; ++r)
+          partial[r] = _mm256_fmadd_ps(qc, load8(buf + (r0 + r) * D + 8 * c), partial[r]);
+      }
+      const __m256 sums = lane_sums8(partial);
+      float* out = scores + g * L + r0;
+      if (rows - r0 >= 8) {
+        _mm256_storeu_ps(out, sums);
+      } else {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sums);
+        for (int64_t r = 0; r < rows - r0; ++r) out[r] = lanes[r];
+      }
+    }
+  }
+}
+
+// acc[g] += sum_r p[g * L + r] * v[r] for NG (<= 3) query heads and dimensions d0 .. d0 + 31:
+// each value row's 32 dimensions are widened once and feed every head
+template <int D, int NG, typename T>
+inline void block_values8_heads(const float* probs, const T* buf, int64_t rows, int64_t L, float* acc, int d0) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
+  for (int64_t r = 0; r < rows; ++r) {  // only the context's rows: a stale value row may be NaN
+    __m256 p[NG];
+    for (int g = 0; g < NG; ++g) p[g] = _mm256_broadcast_ss(probs + g * L + r);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 v = load8(buf + r * D + d0 + 8 * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
+}
+
+// acc[g] += sum_r p[g * L + r] * v[r] over the block's rows (cache rows, D apart), all G heads
+template <int D, typename T>
+inline void block_values16(const float* probs, const T* buf, int64_t rows, int64_t G, int64_t L,
+                           float* acc) {
+  static_assert(D % 32 == 0, "32 dimensions at a time");
+  for (int d0 = 0; d0 < D; d0 += 32) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) block_values8_heads<D, 3>(probs + g * L, buf, rows, L, acc + g * D, d0);
+    if (G - g == 2) block_values8_heads<D, 2>(probs + g * L, buf, rows, L, acc + g * D, d0);
+    else if (G - g == 1) block_values8_heads<D, 1>(probs + g * L, buf, rows, L, acc + g * D, d0);
+  }
+}
+template <int D>
+inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                                float, float*) {}
 #else
-constexpr bool kHaveAvx512 = false;
+constexpr bool kVectorBlocks = false;
 constexpr bool kHaveBf16Dot = false;
 constexpr int64_t kPrefetchAhead = 8;
 template <typename T> inline void prefetch_to_l1(const T*, int64_t) {}
@@ -447,7 +575,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   widen(q, qf, G * D);
   for (int64_t i = 0; i < G * D; ++i) { qf[i] *= scale; acc[i] = 0.f; }
   const int64_t nblocks = (L + bs - 1) / bs;
-  constexpr bool fast = kHaveAvx512 && kLoads16<T> && FixedD > 0 && FixedD % 16 == 0;
+  constexpr bool fast = kVectorBlocks && kLoads16<T> && FixedD > 0 && FixedD % 32 == 0;
   const bool blocks16 = fast && bs == 16;
   // on_tiles: the caller set attention_tiles_config (bf16, D 64 or 128, G <= 16, 16-token blocks)
   if constexpr (kTilesTake<T, FixedD>) {
@@ -499,7 +627,7 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
     float* sg = scores + g * L;
     float m = sg[0];
     float sum = 0.f;
-    if constexpr (kHaveAvx512) {
+    if constexpr (kVectorBlocks) {
       m = max_of(sg, L);
       sum = exp_shifted(sg, L, m);
     } else {

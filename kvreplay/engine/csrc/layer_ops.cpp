@@ -84,7 +84,7 @@ template <typename T> inline float round_to(float v) { return static_cast<float>
 #define KVREPLAY_AVX2 1
 #endif
 
-template <typename T> constexpr bool kVecT = false;  // dtypes with a 16-lane path
+template <typename T> constexpr bool kVecT = false;  // dtypes with a vector path (16 lanes, or 8 with AVX2)
 #if defined(__AVX512BF16__)
 template <> constexpr bool kVecT<float> = true;
 template <> constexpr bool kVecT<c10::BFloat16> = true;
@@ -104,6 +104,18 @@ inline __m512 rnd(__m512 v, c10::BFloat16*) {
 inline __m512 neg(__m512 v) {  // flips the sign bit, as PyTorch's neg (0 -> -0)
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
 }
+#elif defined(KVREPLAY_AVX2)
+template <> constexpr bool kVecT<float> = true;  // (8 lanes here)
+template <> constexpr bool kVecT<c10::BFloat16> = true;
+// The same helpers on 8 lanes: rnd rounds as c10 does (kvreplay_simd::round_bf16x8), so the
+// vector loops below round exactly where the scalar code does.
+inline __m256 ld(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld(const c10::BFloat16* p) { return kvreplay_simd::widen8(reinterpret_cast<const uint16_t*>(p)); }
+inline void st(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void st(c10::BFloat16* p, __m256 v) { kvreplay_simd::store_rounded8(reinterpret_cast<uint16_t*>(p), v); }
+inline __m256 rnd(__m256 v, float*) { return v; }
+inline __m256 rnd(__m256 v, c10::BFloat16*) { return kvreplay_simd::round_bf16x8(v); }
+inline __m256 neg(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 #endif
 
 // The sum of h[i]^2 in one fixed order: 16 running sums (lane i % 16), then the tail, then the
@@ -138,6 +150,12 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
           st(hr + i, v);
           _mm512_storeu_ps(h + i, v);
         }
+#elif defined(KVREPLAY_AVX2)
+        if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8) {
+          const __m256 v = rnd(_mm256_add_ps(ld(xr + i), ld(rr + i)), hr);
+          st(hr + i, v);
+          _mm256_storeu_ps(h + i, v);
+        }
 #endif
         for (; i < H; ++i) {
           const T v = static_cast<T>(f32(xr[i]) + f32(rr[i]));
@@ -148,6 +166,8 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
         int64_t i = 0;
 #if defined(__AVX512BF16__)
         if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16) _mm512_storeu_ps(h + i, ld(xr + i));
+#elif defined(KVREPLAY_AVX2)
+        if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8) _mm256_storeu_ps(h + i, ld(xr + i));
 #endif
         for (; i < H; ++i) h[i] = f32(xr[i]);
         if (hidden) std::memcpy(hidden + r * H, xr, H * sizeof(T));  // the stream starts as x
@@ -160,6 +180,10 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
       const __m512 scale = _mm512_set1_ps(inv);
       if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16)
         st(o + i, _mm512_mul_ps(ld(w + i), rnd(_mm512_mul_ps(_mm512_loadu_ps(h + i), scale), o)));
+#elif defined(KVREPLAY_AVX2)
+      const __m256 scale = _mm256_set1_ps(inv);
+      if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8)
+        st(o + i, _mm256_mul_ps(ld(w + i), rnd(_mm256_mul_ps(_mm256_loadu_ps(h + i), scale), o)));
 #endif
       for (; i < H; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(h[i] * inv));
     }
@@ -221,6 +245,21 @@ void rope_rows(T* qkv, const T* cos, const T* sin, const int64_t* slots, T* cach
                                                   rnd(_mm512_mul_ps(neg(x2), ld(s + d)), x)), x);
               const __m512 hi = rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x2, ld(c + half + d)), x),
                                                   rnd(_mm512_mul_ps(x1, ld(s + half + d)), x)), x);
+              st(x + d, lo);
+              st(x + half + d, hi);
+            }
+            continue;
+          }
+        }
+#elif defined(KVREPLAY_AVX2)
+        if constexpr (kVecT<T>) {
+          if (half % 8 == 0) {
+            for (int64_t d = 0; d < half; d += 8) {
+              const __m256 x1 = ld(x + d), x2 = ld(x + half + d);
+              const __m256 lo = rnd(_mm256_add_ps(rnd(_mm256_mul_ps(x1, ld(c + d)), x),
+                                                  rnd(_mm256_mul_ps(neg(x2), ld(s + d)), x)), x);
+              const __m256 hi = rnd(_mm256_add_ps(rnd(_mm256_mul_ps(x2, ld(c + half + d)), x),
+                                                  rnd(_mm256_mul_ps(x1, ld(s + half + d)), x)), x);
               st(x + d, lo);
               st(x + half + d, hi);
             }
@@ -1155,8 +1194,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   }
 #endif
 #if defined(KVREPLAY_AVX2)
-  std::vector<float> xf(static_cast<size_t>(M * K));  // x widened once, read by every panel
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(c10::BFloat16(xp[i], c10::BFloat16::from_bits()));
+  // x widened once, read by every panel (a buffer kept across calls: a fresh one of 128 KiB or
+  // more is a new mapping, its pages faulted in and zeroed on every call)
+  float* xf = kvreplay_scratch::thread_buffer<float, 4>(M * K);
+  int64_t widened = 0;
+  for (; widened + 8 <= M * K; widened += 8) _mm256_storeu_ps(xf + widened, widen8(xp + widened));
+  for (; widened < M * K; ++widened) xf[widened] = f32(c10::BFloat16(xp[widened], c10::BFloat16::from_bits()));
   auto run = [&](auto* op) {
     at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
       float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
@@ -1164,7 +1207,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
-        avx2_panel(xf.data(), quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
+        avx2_panel(xf, quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
                    bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
         finish_panel(part, local, n0, width);
       }
