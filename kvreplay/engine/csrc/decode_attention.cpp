@@ -198,11 +198,6 @@ inline void block_scores16_bf16(const c10::BFloat16* q, const c10::BFloat16* buf
     _mm512_mask_storeu_ps(scores + g * L, keep, _mm512_mul_ps(lane_sums16(partial), scaling));
   }
 }
-#else
-constexpr bool kHaveBf16Dot = false;
-template <int D>
-inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
-                                float, float*) {}
 #endif
 #elif defined(KVREPLAY_HAVE_AVX2)
 // The same block steps with AVX2 (8 lanes): a block's keys in two groups of 8, each group's 8 dot
@@ -211,11 +206,8 @@ inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int6
 // exp8 (exp16's arithmetic lane for lane). No bf16 dot products here: keys and values are
 // widened in registers as they load.
 constexpr bool kVectorBlocks = true;
-constexpr bool kHaveBf16Dot = false;
 using kvreplay_simd::exp8;
-
-inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
-inline __m256 load8(const c10::BFloat16* src) { return kvreplay_simd::widen8(reinterpret_cast<const uint16_t*>(src)); }
+using kvreplay_simd::load8;
 
 // out lane r = sum of the 8 lanes of p[r]
 inline __m256 lane_sums8(const __m256* p) {
@@ -325,18 +317,11 @@ inline void block_values16(const float* probs, const T* buf, int64_t rows, int64
     else if (G - g == 1) block_values8_heads<D, 1>(probs + g * L, buf, rows, L, acc + g * D, d0);
   }
 }
-template <int D>
-inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
-                                float, float*) {}
 #else
 constexpr bool kVectorBlocks = false;
-constexpr bool kHaveBf16Dot = false;
 constexpr int64_t kPrefetchAhead = 8;
 template <typename T> inline void prefetch_to_l1(const T*, int64_t) {}
 template <typename T> inline void prefetch_to_l2(const T*, int64_t) {}
-template <int D>
-inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
-                                float, float*) {}
 inline float exp_shifted(float*, int64_t, float) { return 0.f; }
 inline float max_of(const float*, int64_t) { return 0.f; }
 template <typename T> constexpr bool kLoads16 = false;
@@ -344,6 +329,12 @@ template <int D, typename T>
 inline void block_scores16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
 template <int D, typename T>
 inline void block_values16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
+#endif
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
+constexpr bool kHaveBf16Dot = false;  // no bf16 pair dot products on this build
+template <int D>
+inline void block_scores16_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                                float, float*) {}
 #endif
 
 // Scores on AMX tiles (bf16 caches, head size 64 or 128, G <= 16 query heads a KV head, 16-token

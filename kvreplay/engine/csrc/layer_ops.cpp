@@ -88,6 +88,13 @@ template <typename T> constexpr bool kVecT = false;  // dtypes with a vector pat
 #if defined(__AVX512BF16__)
 template <> constexpr bool kVecT<float> = true;
 template <> constexpr bool kVecT<c10::BFloat16> = true;
+// Vec: kVecLanes fp32 lanes; vadd / vmul / vset: its add, multiply and broadcast (the vector
+// loops below are written once, for either width).
+using Vec = __m512;
+constexpr int64_t kVecLanes = 16;
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
 // 16 lanes at a time. For bf16, `rnd` rounds fp32 lanes to bf16 (nearest-even, as c10 does) and
 // back, so vector code rounds exactly where the scalar code does; for fp32 it is the identity.
 using kvreplay_simd::exp16;
@@ -107,10 +114,15 @@ inline __m512 neg(__m512 v) {  // flips the sign bit, as PyTorch's neg (0 -> -0)
 #elif defined(KVREPLAY_AVX2)
 template <> constexpr bool kVecT<float> = true;  // (8 lanes here)
 template <> constexpr bool kVecT<c10::BFloat16> = true;
+using Vec = __m256;
+constexpr int64_t kVecLanes = 8;
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
 // The same helpers on 8 lanes: rnd rounds as c10 does (kvreplay_simd::round_bf16x8), so the
 // vector loops below round exactly where the scalar code does.
-inline __m256 ld(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 ld(const c10::BFloat16* p) { return kvreplay_simd::widen8(reinterpret_cast<const uint16_t*>(p)); }
+inline __m256 ld(const float* p) { return kvreplay_simd::load8(p); }
+inline __m256 ld(const c10::BFloat16* p) { return kvreplay_simd::load8(p); }
 inline void st(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void st(c10::BFloat16* p, __m256 v) { kvreplay_simd::store_rounded8(reinterpret_cast<uint16_t*>(p), v); }
 inline __m256 rnd(__m256 v, float*) { return v; }
@@ -144,17 +156,11 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
         const T* rr = res + r * H;
         T* hr = hidden + r * H;
         int64_t i = 0;
-#if defined(__AVX512BF16__)
-        if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16) {  // sum rounded, stored, kept widened
-          const __m512 v = rnd(_mm512_add_ps(ld(xr + i), ld(rr + i)), hr);
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
+        if constexpr (kVecT<T>) for (; i + kVecLanes <= H; i += kVecLanes) {  // sum rounded, stored, kept widened
+          const Vec v = rnd(vadd(ld(xr + i), ld(rr + i)), hr);
           st(hr + i, v);
-          _mm512_storeu_ps(h + i, v);
-        }
-#elif defined(KVREPLAY_AVX2)
-        if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8) {
-          const __m256 v = rnd(_mm256_add_ps(ld(xr + i), ld(rr + i)), hr);
-          st(hr + i, v);
-          _mm256_storeu_ps(h + i, v);
+          st(h + i, v);
         }
 #endif
         for (; i < H; ++i) {
@@ -164,10 +170,8 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
         }
       } else {
         int64_t i = 0;
-#if defined(__AVX512BF16__)
-        if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16) _mm512_storeu_ps(h + i, ld(xr + i));
-#elif defined(KVREPLAY_AVX2)
-        if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8) _mm256_storeu_ps(h + i, ld(xr + i));
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
+        if constexpr (kVecT<T>) for (; i + kVecLanes <= H; i += kVecLanes) st(h + i, ld(xr + i));
 #endif
         for (; i < H; ++i) h[i] = f32(xr[i]);
         if (hidden) std::memcpy(hidden + r * H, xr, H * sizeof(T));  // the stream starts as x
@@ -176,14 +180,10 @@ void rms_rows(const T* x, const T* res, const T* w, T* out, T* hidden, int64_t r
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
       int64_t i = 0;
-#if defined(__AVX512BF16__)
-      const __m512 scale = _mm512_set1_ps(inv);
-      if constexpr (kVecT<T>) for (; i + 16 <= H; i += 16)
-        st(o + i, _mm512_mul_ps(ld(w + i), rnd(_mm512_mul_ps(_mm512_loadu_ps(h + i), scale), o)));
-#elif defined(KVREPLAY_AVX2)
-      const __m256 scale = _mm256_set1_ps(inv);
-      if constexpr (kVecT<T>) for (; i + 8 <= H; i += 8)
-        st(o + i, _mm256_mul_ps(ld(w + i), rnd(_mm256_mul_ps(_mm256_loadu_ps(h + i), scale), o)));
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
+      const Vec scale = vset(inv);
+      if constexpr (kVecT<T>) for (; i + kVecLanes <= H; i += kVecLanes)
+        st(o + i, vmul(ld(w + i), rnd(vmul(ld(h + i), scale), o)));
 #endif
       for (; i < H; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(h[i] * inv));
     }
@@ -236,30 +236,13 @@ void rope_rows(T* qkv, const T* cos, const T* sin, const int64_t* slots, T* cach
       const T* s = sin + t * D;
       for (int64_t head = 0; head < num_q + num_kv; ++head) {
         T* x = row + head * D;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
         if constexpr (kVecT<T>) {
-          if (half % 16 == 0) {  // out = x cos + rotate_half(x) sin, rounded after each op
-            for (int64_t d = 0; d < half; d += 16) {
-              const __m512 x1 = ld(x + d), x2 = ld(x + half + d);
-              const __m512 lo = rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x1, ld(c + d)), x),
-                                                  rnd(_mm512_mul_ps(neg(x2), ld(s + d)), x)), x);
-              const __m512 hi = rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x2, ld(c + half + d)), x),
-                                                  rnd(_mm512_mul_ps(x1, ld(s + half + d)), x)), x);
-              st(x + d, lo);
-              st(x + half + d, hi);
-            }
-            continue;
-          }
-        }
-#elif defined(KVREPLAY_AVX2)
-        if constexpr (kVecT<T>) {
-          if (half % 8 == 0) {
-            for (int64_t d = 0; d < half; d += 8) {
-              const __m256 x1 = ld(x + d), x2 = ld(x + half + d);
-              const __m256 lo = rnd(_mm256_add_ps(rnd(_mm256_mul_ps(x1, ld(c + d)), x),
-                                                  rnd(_mm256_mul_ps(neg(x2), ld(s + d)), x)), x);
-              const __m256 hi = rnd(_mm256_add_ps(rnd(_mm256_mul_ps(x2, ld(c + half + d)), x),
-                                                  rnd(_mm256_mul_ps(x1, ld(s + half + d)), x)), x);
+          if (half % kVecLanes == 0) {  // out = x cos + rotate_half(x) sin, rounded after each op
+            for (int64_t d = 0; d < half; d += kVecLanes) {
+              const Vec x1 = ld(x + d), x2 = ld(x + half + d);
+              const Vec lo = rnd(vadd(rnd(vmul(x1, ld(c + d)), x), rnd(vmul(neg(x2), ld(s + d)), x)), x);
+              const Vec hi = rnd(vadd(rnd(vmul(x2, ld(c + half + d)), x), rnd(vmul(x1, ld(s + half + d)), x)), x);
               st(x + d, lo);
               st(x + half + d, hi);
             }

@@ -61,6 +61,7 @@ inline void before_tile_loads() { __asm__ volatile("" ::: "memory"); }
 // (AVX2 intrinsics only: on an AVX-512 CPU without BF16 the layer ops' AVX2 kernels use them too)
 #define KVREPLAY_HAVE_AVX2 1
 #include <immintrin.h>
+#include <c10/util/BFloat16.h>
 
 namespace kvreplay_simd {
 // exp16's arithmetic on 8 lanes (AVX2): the same clamp, reduction and polynomial; 2^n (n in
@@ -90,6 +91,9 @@ inline __m256 round_bf16x8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_ep
 inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+// 8 values widened to fp32 (load16's 8-lane twin)
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const c10::BFloat16* src) { return widen8(reinterpret_cast<const uint16_t*>(src)); }
 inline void store_rounded8(uint16_t* out, __m256 v) {
   const __m256i bits = bf16_bits8(v);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
