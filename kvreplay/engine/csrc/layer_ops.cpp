@@ -59,6 +59,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <climits>
 #include <cstdint>
@@ -1061,6 +1062,23 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
 }
 #endif
 
+// body(begin, end) over [0, panels) in contiguous chunks that the threads claim one after
+// another as they finish the last, about 8 a thread, rather than one fixed half each: a step's
+// threads do not run at one speed on a shared machine (a Zen 3 VM, batch-32 decode: with fixed
+// halves the main thread's products took 26% longer than the worker's, which then spent a
+// quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on neighbouring
+// panels. body may run on any thread, several times; chunks come in ascending order, not all
+// to one thread (so an argmax keeps one part a chunk).
+template <typename Body>
+void claim_panels(int64_t panels, Body&& body) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  const int64_t chunk = std::max<int64_t>(1, panels / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < panels;) body(begin, std::min(panels, begin + chunk));
+  });
+}
+
 // `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor.
 // `argmax` (with widen): no outputs stored; instead argmax[m] = the index of row m's largest
 // output as `out` would hold it (the first on ties, a NaN's if any): what argmax_rows answers.
@@ -1145,7 +1163,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
     }
     const uint16_t* tail = pad.empty() ? nullptr : pad.data();
     auto run_amx = [&](auto* op) {
-      at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+      claim_panels((tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
         TileConfig config;
         for (int t = 0; t < 8; ++t) {
           config.rows[t] = static_cast<uint8_t>(t == 7 ? 16 : r);  // tile 7: 16 pairs of weights
@@ -1184,7 +1202,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   for (; widened + 8 <= M * K; widened += 8) _mm256_storeu_ps(xf + widened, widen8(xp + widened));
   for (; widened < M * K; ++widened) xf[widened] = f32(c10::BFloat16(xp[widened], c10::BFloat16::from_bits()));
   auto run = [&](auto* op) {
-    at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
+    claim_panels((tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
       float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
       RowArgmax part(argmax ? M : 0, begin);
       for (int64_t p = begin; p < end; ++p) {
@@ -1199,13 +1217,13 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   };
 #else
   auto run = [&](auto* op) {
-    at::parallel_for(0, (tiles + kPanelTiles - 1) / kPanelTiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint16_t> buffer(buffer_size);
+    claim_panels((tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
+      uint16_t* buffer = kvreplay_scratch::thread_buffer<uint16_t>(buffer_size);  // kept across chunks
       float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
       RowArgmax part(argmax ? M : 0, begin);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
-        const uint16_t* w = panel_weights(p, buffer.data());
+        const uint16_t* w = panel_weights(p, buffer);
         const uint16_t* b = bp ? bp + n0 : nullptr;
         auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
         const int64_t ld = staged ? kPanelWidth : N;
