@@ -68,6 +68,22 @@ def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None
     return 0
 
 
+def panel_forms(model, projections: list, panels: dict[str, list]) -> dict[str, Callable[[], None]]:
+    """For each form of the panels (label -> one tensor per projection, in `projections`' order):
+    a function that puts those tensors into the projections and decode_layers' list of them
+    (`model.restack()`), for `compare`. Prints each form's bytes first."""
+    for form, tensors in panels.items():
+        print(f"{form}: {sum(t.numel() * t.element_size() for t in tensors) / 1e6:.1f} MB")
+
+    def use(form: str):
+        def apply():
+            for projection, tensor in zip(projections, panels[form]):
+                projection.panels = tensor
+            model.restack()
+        return apply
+    return {form: use(form) for form in panels}
+
+
 def _greedy(max_tokens: int):
     from kvreplay import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

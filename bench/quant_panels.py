@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from alternating import bf16_engine, compare, parse_args  # noqa: E402
+from alternating import bf16_engine, compare, panel_forms, parse_args  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,15 +37,7 @@ def main(argv=None) -> int:
     ops = cpu_kernels.layer_ops()
     panels = {"blocks": [p.panels for p in projections],
               "bf16 panels": [ops.expand_quant_panels(p.panels) for p in projections]}
-    for form, tensors in panels.items():
-        print(f"{form}: {sum(t.numel() * t.element_size() for t in tensors) / 1e6:.1f} MB")
-
-    def use(form: str):
-        def apply():
-            for projection, tensor in zip(projections, panels[form]):
-                projection.panels = tensor
-        return apply
-    return compare(llm, args, {form: use(form) for form in panels}, same_tokens=True)
+    return compare(llm, args, panel_forms(model, projections, panels), same_tokens=True)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,27 @@ def test_side_by_side_bench_runs(script, labels):
     assert len(row) == 1 and row[0].rstrip().endswith("x |")
 
 
-@pytest.mark.parametrize("script", ["quant_panels.py", "fused_decode.py"])
+@pytest.mark.parametrize("script", ["quant_panels.py", "fused_decode.py", "int_products.py"])
 def test_side_by_side_bench_rejects_bad_arguments(script):
     result = _run(script, "--rounds", "0")
     assert result.returncode == 2 and "--rounds and --decode-tokens must be at least 1" in result.stderr
+
+
+def test_int_products_bench_runs_speed_and_quality():
+    from kvreplay.engine import cpu_kernels
+    ops = cpu_kernels.layer_ops()
+    if ops is None or not ops.has_panel_linear() or not ops.has_int_products():
+        pytest.skip("no integer products in this build of the panel kernel")
+    result = _run("int_products.py", "--batches", "2", "--rounds", "1", "--decode-tokens", "3", "--prompt-tokens", "16",
+                  "--text-tokens", "40")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| batch | integer products, decode tok/s | bf16 panels, decode tok/s | ratio |" in result.stdout
+    assert "40 tokens of text; fp32 perplexity" in result.stdout
+    for form in ("integer products", "bf16 panels"):
+        row = [line for line in result.stdout.splitlines() if line.startswith(f"| {form} |")]
+        assert len(row) == 1 and row[0].count("|") == 6, result.stdout
+    bad = _run("int_products.py", "--text-tokens", "1")
+    assert bad.returncode == 2 and "--text-tokens must be at least 2" in bad.stderr
 
 
 def test_fused_decode_bench_rejects_an_unknown_comparison():

@@ -22,6 +22,12 @@ instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, again
 kernel expands them to bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the
 same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of the bytes a
 decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
+With KVREPLAY_INT_PRODUCTS=1 (off by default; AVX2 builds of the kernel, `has_int_products`) the
+blocks are kept for integer products instead: x goes in as 16-bit integers per 32-k block, and
+each output is the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights'
+bf16 roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70%
+for the bf16 panels, in 6 bits a weight. On a Zen 3: 1.30x decode at batch 1 (a third of the
+bytes), 0.87x at batch 32 (docs/benchmarks.md), hence off by default.
 On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
 a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
 result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
@@ -118,6 +124,18 @@ def quant_panels_enabled() -> bool:
     if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels._cpu_flags():
         return cpu_kernels.has_avx512_bf16()
     return env_switch("KVREPLAY_QUANT_PANELS")
+
+
+def int_products_enabled() -> bool:
+    """Whether GGUF block weights keep their blocks for integer products:
+    KVREPLAY_INT_PRODUCTS=1 yes (where the kernel has them), 0 or unset no."""
+    return os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip() != "" and env_switch("KVREPLAY_INT_PRODUCTS")
+
+
+@functools.cache
+def _warn_no_int_products() -> None:
+    log.warning("KVREPLAY_INT_PRODUCTS=1, but this build's panel kernel expands GGUF blocks to bf16 (integer "
+                "products run on its AVX2 kernel only): the blocks are read as bf16")
 
 
 def machine_panel_rows() -> int:
@@ -225,7 +243,8 @@ class Projection:
         self.panel_linear = None if ops is None else ops.panel_linear
         self.panel_linear_float = None if ops is None else ops.panel_linear_float
         self.panel_argmax = None if ops is None else getattr(ops, "panel_argmax", None)
-        # the blocks, where given and the kernel reads their format; else bf16
+        # the blocks, where given and the kernel reads their format ("Q4_1", or "Q4_1/int" for
+        # integer products); else bf16
         self.panel_format = "bf16"
         self.panels = None
         self.panel_bias = bias
@@ -238,10 +257,14 @@ class Projection:
                 quantized = None if quantized is None else QuantizedWeight(quantized.format,
                                                                            quantized.blocks[panel_order])
                 self.panel_bias = None if bias is None else bias[panel_order].contiguous()
-            if quantized is not None and quantized.format in QUANT_FORMATS and quant_panels_enabled():
+            integer = quantized is not None and quantized.format in QUANT_FORMATS and int_products_enabled()
+            if integer and not ops.has_int_products():
+                _warn_no_int_products()
+                integer = False
+            if quantized is not None and quantized.format in QUANT_FORMATS and (integer or quant_panels_enabled()):
                 try:
-                    self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format)
-                    self.panel_format = quantized.format
+                    self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format, integer)
+                    self.panel_format = quantized.format + ("/int" if integer else "")
                 except RuntimeError as exc:  # a Q4_0 scale past fp16's reach: the bf16 copy serves
                     log.warning("%s blocks kept as bf16 panels: %s", quantized.format, str(exc).splitlines()[0])
             if self.panels is None:

@@ -114,7 +114,12 @@ class LlamaModel:
         self.decode_attention_op = cpu_kernels.decode_attention() if self.layer_ops is not None else None
         fused = fused_decode_enabled()
         self.fused_rows = [self._fused_rows(layer) if fused else 0 for layer in self.layers]
-        # decode_layers' arguments for the whole stack (6 weights and 4 biases a layer), built once
+        self.restack()
+
+    def restack(self) -> None:
+        """Build decode_layers' arguments for the whole stack (6 weights and 4 biases a layer)
+        from the projections' panels: once at load, and again by whoever replaces a projection's
+        `panels` (the benches that compare two forms of them)."""
         self._stack_weights, self._stack_biases = [], []
         if any(self.fused_rows):
             for layer in self.layers:

@@ -25,11 +25,14 @@
 //       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms). On an
 //       AVX2-only CPU (no bf16 instructions: a Zen 3) each thread widens a slice of a panel to
 //       fp32 at a time and runs fp32 FMAs (below): the same sums, within one rounding.
-//   pack_quant_panels(blocks, K, format) / expand_quant_panels(packed)
+//   pack_quant_panels(blocks, K, format, integer=False) / expand_quant_panels(packed)
 //       The panel copy of a GGUF tensor kept as its Q4_0 / Q4_1 / Q8_0 blocks (a third or half
 //       of the bf16 panels' bytes); panel_linear and decode_layer take it like a bf16 panel and
 //       expand it as they go, to the same bf16 weights (layout and arithmetic below).
-//       expand_quant_panels gives the bf16 panels it stands for (tests, benches).
+//       expand_quant_panels gives the bf16 panels it stands for (tests, benches). With integer
+//       (AVX2 builds, has_int_products()): records that the products read as integers, with x
+//       as 16-bit integers per 32-k block: the file's own weights, not their bf16 rounding
+//       (int_panel below).
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
@@ -415,6 +418,17 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // so the same bits as the bf16 panels, with a third (Q4) or half (Q8_0) of the bytes to read.
 constexpr int64_t kQuantBlock = 32, kQ4_1Record = 320, kQ8_0Record = 544;
 constexpr int64_t kPrefetchBlocks = 4;
+// The same blocks for integer products (pack_quant_panels(..., integer=true), AVX2 builds only):
+// each record's weight bytes as above, its scales widened to fp32 (Q4: d[16] then m[16]; Q8_0:
+// d[16]). The kernel multiplies the blocks' integers by 16-bit integers of x (int_panel below),
+// so the weights are the file's exactly (d * q + m in real numbers), not their bf16 rounding.
+constexpr int64_t kQ4IntRecord = 384, kQ8IntRecord = 576;
+inline bool is_int_record(int64_t record) { return record == kQ4IntRecord || record == kQ8IntRecord; }
+#if defined(KVREPLAY_AVX2)
+constexpr bool kIntProducts = true;
+#else
+constexpr bool kIntProducts = false;
+#endif
 
 int64_t quant_record(const std::string& format) {
   if (format == "Q4_0" || format == "Q4_1") return kQ4_1Record;
@@ -432,7 +446,11 @@ inline float half_to_float(const uint8_t* p) {
 // blocks: [N, K / 32 * block bytes] uint8, a GGUF tensor's rows (Q4_1: d, m fp16, 16 bytes of
 // nibbles, weight i < 16 in byte i's low nibble, weight 16 + i in its high one; Q8_0: d fp16,
 // 32 int8). Out: [N / 16, K / 32, record] uint8, the records in the order above.
-at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format) {
+// integer: records for integer products (kQ4IntRecord / kQ8IntRecord), refused on a build
+// without the AVX2 kernel.
+at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format, bool integer) {
+  TORCH_CHECK(!integer || kIntProducts, "pack_quant_panels: integer products run on the AVX2 kernel only; this "
+              "build has AVX512-BF16 (its products expand the blocks to bf16) or no AVX2");
   // Q4_0 (d fp16, 16 bytes of nibbles; gguf-py: d * (q - 8)) goes into Q4_1 records with
   // m = -8 d: d * q + m is then exactly d * (q - 8) (both exact in fp32), and -8 d is exact in
   // fp16 unless it overflows (|d| >= 8192, refused below)
@@ -490,7 +508,24 @@ at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::str
         }
     }
   });
-  return out;
+  if (!integer) return out;
+  // the same records with their scales widened to fp32
+  const int64_t body = q4 ? 256 : 512, int_record = q4 ? kQ4IntRecord : kQ8IntRecord, count = tiles * kblocks;
+  auto ints = at::empty({tiles, kblocks, int_record}, blocks.options());
+  const uint8_t* from = out.data_ptr<uint8_t>();
+  uint8_t* to = ints.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* rec = from + r * record;
+      uint8_t* dst_rec = to + r * int_record;
+      std::memcpy(dst_rec, rec, static_cast<size_t>(body));
+      for (int64_t i = 0; i < (q4 ? 32 : 16); ++i) {  // d[16] (and m[16]) fp16 -> fp32
+        const float v = half_to_float(rec + body + 2 * i);
+        std::memcpy(dst_rec + body + 4 * i, &v, sizeof v);
+      }
+    }
+  });
+  return ints;
 }
 
 #if defined(__AVX512BF16__)
@@ -536,7 +571,8 @@ void expand_quant_panel(const uint8_t* q, int64_t record, int64_t width, int64_t
 at::Tensor expand_quant_panels(const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record),
-              "expand_quant_panels: a pack_quant_panels tensor expected");
+              "expand_quant_panels: a pack_quant_panels tensor expected (not one for integer products: "
+              "their weights are the file's, not bf16)");
   const int64_t tiles = packed.size(0), K = packed.size(1) * kQuantBlock, record = packed.size(2);
   auto out = at::empty({tiles, K / 2, kLanes, 2}, packed.options().dtype(at::kBFloat16));
 #if defined(__AVX512BF16__)
@@ -832,6 +868,238 @@ void avx2_panel(const float* x, const uint16_t* w, const uint8_t* q, int64_t rec
     for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
   }
 }
+
+// ---- integer products on the file's blocks (AVX2; records from pack_quant_panels(..., integer)) ----
+// A 32-k block of a Q4_0 / Q4_1 / Q8_0 weight row is d * q + m with q small integers (Q4: 0-15,
+// m = -8 d for Q4_0; Q8_0: -128-127, m = 0), so its product with 32 values of x is
+//   d * sum(q * x) + m * sum(x).
+// x (bf16) is written per row and block as s * v: s a power of two, v 16-bit integers
+// (quantize_rows), exact for every value within 2^7 of the block's largest magnitude; then
+// sum(q * v) is an exact int32 (VPMADDWD pairs, |sum| < 2^24: exact again in fp32 for Q4), and
+// each block adds d * (s * sum(q * v)) and m * (s * sum(v)) to an fp32 running sum by two FMAs.
+// Against the bf16 path: the weights are the file's own numbers rather than their bf16 roundings
+// (each off by up to 2^-9 relative), x is the same bf16 up to the rare tiny value far below its
+// block's largest, and on a Zen 3 core VPMADDWD + VPADDD do 16 products where an FMA does 8,
+// with no widening of the weights to fp32; measured in a decode step there, the per-block fold
+// and the block widening take that gain back at batch 32 (0.87x the bf16 panels) while batch 1
+// gains from reading a third of the bytes (1.30x; docs/benchmarks.md). A row's result still
+// does not depend on the other rows, the blocking or the threads.
+constexpr int64_t kIntPairs = kQuantBlock / 2;  // pairs (k, k + 1) a block
+
+// x ([M][K] bf16 bits) as v ([M][K] int16) and, per row and 32-k block (index m * K / 32 + b),
+// its scale s = 2^(E - 14) (E: the exponent of the block's largest |x|, so |v| < 2^15) and
+// s * sum(v). A block of zeros: s = 1; one holding an inf or NaN: s = NaN (its row's outputs
+// are NaN, as a float product would give for a NaN; an inf gives NaN here, not +-inf).
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int16_t* v, float* scale, float* sum) {
+  const int64_t blocks = K / kQuantBlock;
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* xb = x + m * K + b * kQuantBlock;
+      int16_t* vb = v + m * K + b * kQuantBlock;
+      const int64_t at = m * blocks + b;
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+      __m256i top = _mm256_max_epu16(_mm256_and_si256(r0, magnitude), _mm256_and_si256(r1, magnitude));
+      __m128i t = _mm_max_epu16(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+      t = _mm_max_epu16(t, _mm_srli_si128(t, 8));
+      t = _mm_max_epu16(t, _mm_srli_si128(t, 4));
+      t = _mm_max_epu16(t, _mm_srli_si128(t, 2));
+      const int largest = _mm_extract_epi16(t, 0);  // a bf16's magnitude bits: ordered as its value
+      if (largest == 0 || largest >= 0x7F80) {
+        std::memset(vb, 0, kQuantBlock * sizeof(int16_t));
+        scale[at] = largest == 0 ? 1.f : std::numeric_limits<float>::quiet_NaN();
+        sum[at] = largest == 0 ? 0.f : scale[at];
+        continue;
+      }
+      const int E = std::max((largest >> 7) - 127, -126);  // a subnormal block: below 2^-126
+      scale[at] = std::ldexp(1.f, E - 14);                   // >= 2^-140: representable
+      // x * 2^(14 - E) in one or two exact steps (2^(14 - E) alone overflows below E = -113)
+      const int up = 14 - E, first = std::min(up, 126);
+      const __m256 f1 = _mm256_set1_ps(std::ldexp(1.f, first)), f2 = _mm256_set1_ps(std::ldexp(1.f, up - first));
+      __m256i ints[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(widen8(xb + 8 * i), f1), f2);
+        ints[i] = _mm256_cvtps_epi32(scaled);  // nearest, ties to even (MXCSR's default)
+      }
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+      // packs interleaves 128-bit lanes: 0xD8 puts the 16 values back in order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vb), _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[0], ints[1]), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vb + 16),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2], ints[3]), 0xD8));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 8));
+      s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 4));
+      sum[at] = static_cast<float>(_mm_cvtsi128_si32(s4)) * scale[at];  // |sum(v)| < 2^20: exact
+    }
+}
+
+// Block kb of a panel of `width` tiles (integer records at q) into buf ([16 pairs][kWide
+// outputs][2] int16: VPMADDWD's operand, 8 outputs x 2 k's a vector) and its scales into d and
+// mn ([kWide] fp32; mn zeros for Q8_0). A record row's 32 lanes are already in that order.
+void widen_int_block(const uint8_t* q, int64_t record, int64_t width, int64_t kb, int16_t* buf, float* d, float* mn) {
+  const bool q4 = record == kQ4IntRecord;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t t = 0; t < width; ++t) {
+    const uint8_t* rec = q + (kb * width + t) * record;
+    for (int64_t j = 0; j < kIntPairs; ++j) {
+      __m256i lo, hi;  // outputs 0-7 and 8-15 of the tile
+      if (q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 16));
+        lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, nibble));
+        hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+      } else {
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 32)));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + j * 32 + 16)));
+      }
+      int16_t* row = buf + (j * kWide + t * kLanes) * 2;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), hi);
+    }
+    std::memcpy(d + t * kLanes, rec + (q4 ? 256 : 512), kLanes * sizeof(float));
+    if (q4)
+      std::memcpy(mn + t * kLanes, rec + 256 + kLanes * sizeof(float), kLanes * sizeof(float));
+    else
+      std::memset(mn + t * kLanes, 0, kLanes * sizeof(float));
+  }
+}
+
+// MB rows of x (v: row 0's block, row stride ldx; scale and sum: row 0's, stride lds) over one
+// widened block, C x 8 outputs of it (buf, d, mn at the first): 12 int32 sums in registers, then
+// folded into the fp32 running sums (row m at sums + m * kWide), started when `first`.
+template <int MB, int C>
+void int_block(const int16_t* v, int64_t ldx, const float* scale, const float* sum, int64_t lds,
+               const int16_t* buf, const float* d, const float* mn, float* sums, bool first) {
+  static_assert(MB >= 1 && MB <= 4 && C >= 1 && C <= 3, "4 rows x 3 columns of 8 at most");
+  const __m256i z = _mm256_setzero_si256();
+  __m256i a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
+  if constexpr (MB == 4 && C == 3) {
+    // the full block (every one but the last rows and narrow panels) as one loop in asm: written
+    // as intrinsics, GCC kept 5-8 of the 12 sums on the stack and moved the rest between
+    // registers every pair (VPMADDWD does not accumulate, so each product needs a register of
+    // its own). Here the sums stay in ymm0-11, x's broadcast and the product in ymm12-13, the
+    // weights come from L1 as memory operands, and the sums go to `ints` at the end.
+    alignas(32) int32_t ints[12][8];
+    const int16_t* x0 = v;
+    const int16_t* w = buf;
+    const int64_t ld = ldx * 2, ld3 = 3 * ldx * 2;
+    int64_t n = kIntPairs;
+    static_assert(kWide * 2 * sizeof(int16_t) == 192, "the asm steps a pair's row of the widened block");
+#define KVREPLAY_INT_STEP(offset, acc) \
+    "vpmaddwd " #offset "(%[w]), %%ymm12, %%ymm13\n\tvpaddd %%ymm13, %%ymm" #acc ", %%ymm" #acc "\n\t"
+    asm volatile(
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+        "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+        "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+        "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+        "1:\n\t"
+        "vpbroadcastd (%[x]), %%ymm12\n\t"
+        KVREPLAY_INT_STEP(0, 0) KVREPLAY_INT_STEP(32, 1) KVREPLAY_INT_STEP(64, 2)
+        "vpbroadcastd (%[x],%[ld],1), %%ymm12\n\t"
+        KVREPLAY_INT_STEP(0, 3) KVREPLAY_INT_STEP(32, 4) KVREPLAY_INT_STEP(64, 5)
+        "vpbroadcastd (%[x],%[ld],2), %%ymm12\n\t"
+        KVREPLAY_INT_STEP(0, 6) KVREPLAY_INT_STEP(32, 7) KVREPLAY_INT_STEP(64, 8)
+        "vpbroadcastd (%[x],%[ld3],1), %%ymm12\n\t"
+        KVREPLAY_INT_STEP(0, 9) KVREPLAY_INT_STEP(32, 10) KVREPLAY_INT_STEP(64, 11)
+        "add $4, %[x]\n\t"
+        "add $192, %[w]\n\t"  // kWide * 2 int16: the next pair's row
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqa %%ymm0, (%[out])\n\tvmovdqa %%ymm1, 32(%[out])\n\tvmovdqa %%ymm2, 64(%[out])\n\t"
+        "vmovdqa %%ymm3, 96(%[out])\n\tvmovdqa %%ymm4, 128(%[out])\n\tvmovdqa %%ymm5, 160(%[out])\n\t"
+        "vmovdqa %%ymm6, 192(%[out])\n\tvmovdqa %%ymm7, 224(%[out])\n\tvmovdqa %%ymm8, 256(%[out])\n\t"
+        "vmovdqa %%ymm9, 288(%[out])\n\tvmovdqa %%ymm10, 320(%[out])\n\tvmovdqa %%ymm11, 352(%[out])"
+        : [x] "+r"(x0), [w] "+r"(w), [n] "+r"(n)
+        : [ld] "r"(ld), [ld3] "r"(ld3), [out] "r"(&ints[0][0])
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+          "xmm12", "xmm13", "cc", "memory");
+#undef KVREPLAY_INT_STEP
+    auto at = [&](int i) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(ints[i])); };
+    a00 = at(0), a01 = at(1), a02 = at(2), a10 = at(3), a11 = at(4), a12 = at(5);
+    a20 = at(6), a21 = at(7), a22 = at(8), a30 = at(9), a31 = at(10), a32 = at(11);
+  } else {
+    for (int64_t j = 0; j < kIntPairs; ++j) {
+      const int16_t* wj = buf + j * kWide * 2;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj));
+      const __m256i w1 = C > 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 16)) : z;
+      const __m256i w2 = C > 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 32)) : z;
+#define KVREPLAY_INT_ROW(m, r0, r1, r2)                                              \
+      if constexpr (MB > m) {                                                        \
+        int32_t pair;                                                                \
+        std::memcpy(&pair, v + m * ldx + 2 * j, sizeof pair);                        \
+        const __m256i xb = _mm256_set1_epi32(pair);                                  \
+        r0 = _mm256_add_epi32(r0, _mm256_madd_epi16(xb, w0));                        \
+        if constexpr (C > 1) r1 = _mm256_add_epi32(r1, _mm256_madd_epi16(xb, w1));   \
+        if constexpr (C > 2) r2 = _mm256_add_epi32(r2, _mm256_madd_epi16(xb, w2));   \
+      }
+      KVREPLAY_INT_ROW(0, a00, a01, a02)
+      KVREPLAY_INT_ROW(1, a10, a11, a12)
+      KVREPLAY_INT_ROW(2, a20, a21, a22)
+      KVREPLAY_INT_ROW(3, a30, a31, a32)
+#undef KVREPLAY_INT_ROW
+    }
+  }
+  const __m256i rows[4][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}, {a30, a31, a32}};
+  for (int m = 0; m < MB; ++m) {
+    const __m256 s = _mm256_set1_ps(scale[m * lds]), total = _mm256_set1_ps(sum[m * lds]);
+    for (int c = 0; c < C; ++c) {
+      float* at = sums + m * kWide + 8 * c;
+      const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(at);
+      // s * sum(q * v) is exact (a power of two times an integer below 2^24 for Q4)
+      const __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows[m][c]), s), _mm256_loadu_ps(d + 8 * c), prev);
+      _mm256_storeu_ps(at, _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * c), total, r));
+    }
+  }
+}
+
+constexpr int64_t kIntRowBlock = 4;  // rows a block (int_block's asm takes 4 x 24 outputs)
+template <int C>
+void int_rows(const int16_t* v, const float* scale, const float* sum, int64_t K, const int16_t* buf, const float* d,
+              const float* mn, float* sums, int64_t M, bool first) {
+  const int64_t blocks = (M + kIntRowBlock - 1) / kIntRowBlock, lds = K / kQuantBlock;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m0) / (blocks - b);  // balanced, as panel_rows
+    const int16_t* vm = v + m0 * K;
+    const float *sm = scale + m0 * lds, *tm = sum + m0 * lds;
+    float* out = sums + m0 * kWide;
+    switch (rows) {
+      case 1: int_block<1, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+      case 2: int_block<2, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+      case 3: int_block<3, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+      default: int_block<4, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+    }
+    m0 += rows;
+  }
+}
+
+// All M rows (quantize_rows' v, scale, sum) against one panel of `width` tiles of integer
+// records (q), into out (row stride ld): block by block, columns in groups of 24 (then 16 or 8).
+template <typename OutT>
+void int_panel(const int16_t* v, const float* scale, const float* sum, const uint8_t* q, int64_t record,
+               int64_t width, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
+  int16_t* buf = kvreplay_scratch::thread_buffer<int16_t, 5>(kIntPairs * kWide * 2);
+  float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
+  float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
+  const int64_t cols = width * kLanes;
+  for (int64_t kb = 0; kb < K / kQuantBlock; ++kb) {
+    widen_int_block(q, record, width, kb, buf, scales, scales + kWide);
+    const int64_t k0 = kb * kQuantBlock;
+    for (int64_t c0 = 0; c0 < cols;) {
+      const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
+      const int16_t* b = buf + c0 * 2;
+      switch (groups) {
+        case 3: int_rows<3>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+        case 2: int_rows<2>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+        default: int_rows<1>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+      }
+      c0 += groups * 8;
+    }
+  }
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
+  }
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -949,7 +1217,8 @@ void amx_rows(const uint16_t* x, const uint16_t* tail, int64_t r, int64_t M, con
 // for any other tensor
 std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* name) {
   if (packed.scalar_type() == at::kByte) {
-    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record) &&
+    TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record ||
+                                      is_int_record(packed.size(2))) &&
                 packed.is_contiguous(), name, ": weight must come from pack_panels or pack_quant_panels");
     return {packed.size(0) * kLanes, packed.size(1) * kQuantBlock};
   }
@@ -1136,6 +1405,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   // panel p's bf16 weights: in place, or expanded from quantized records into `buffer`
   const bool quant = packed.scalar_type() == at::kByte;
   const int64_t record = quant ? packed.size(2) : 0;
+  TORCH_CHECK(!is_int_record(record) || kIntProducts, name, ": integer records need the AVX2 kernel");
   const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
   auto records = [=](int64_t p) { return qp + p * kPanelTiles * (K / kQuantBlock) * record; };  // panel p's
@@ -1196,11 +1466,23 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
 #endif
 #if defined(KVREPLAY_AVX2)
   // x widened once, read by every panel (a buffer kept across calls: a fresh one of 128 KiB or
-  // more is a new mapping, its pages faulted in and zeroed on every call)
-  float* xf = kvreplay_scratch::thread_buffer<float, 4>(M * K);
-  int64_t widened = 0;
-  for (; widened + 8 <= M * K; widened += 8) _mm256_storeu_ps(xf + widened, widen8(xp + widened));
-  for (; widened < M * K; ++widened) xf[widened] = f32(c10::BFloat16(xp[widened], c10::BFloat16::from_bits()));
+  // more is a new mapping, its pages faulted in and zeroed on every call); for integer records,
+  // x as 16-bit integers and their block scales instead
+  const bool ints = quant && is_int_record(record);
+  float* xf = nullptr;
+  int16_t* xv = nullptr;
+  float *xscale = nullptr, *xsum = nullptr;
+  if (ints) {
+    xv = kvreplay_scratch::thread_buffer<int16_t, 4>(M * K);
+    xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
+    xsum = xscale + M * (K / kQuantBlock);
+    quantize_rows(xp, M, K, xv, xscale, xsum);
+  } else {
+    xf = kvreplay_scratch::thread_buffer<float, 4>(M * K);
+    int64_t widened = 0;
+    for (; widened + 8 <= M * K; widened += 8) _mm256_storeu_ps(xf + widened, widen8(xp + widened));
+    for (; widened < M * K; ++widened) xf[widened] = f32(c10::BFloat16(xp[widened], c10::BFloat16::from_bits()));
+  }
   auto run = [&](auto* op) {
     claim_panels((tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
       float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
@@ -1208,8 +1490,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
-        avx2_panel(xf, quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
-                   bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
+        if (ints)
+          int_panel(xv, xscale, xsum, records(p), record, width, bp ? bp + n0 : nullptr, o, M,
+                    staged ? kPanelWidth : N, K);
+        else
+          avx2_panel(xf, quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
+                     bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
         finish_panel(part, local, n0, width);
       }
       if (argmax) keep_part(std::move(part));
@@ -1506,6 +1792,8 @@ bool has_amx_panels() {
 #endif
 }
 
+bool has_int_products() { return kIntProducts; }
+
 bool has_panel_linear() {
 #if defined(__AVX512BF16__) || defined(KVREPLAY_AVX2)
   return true;
@@ -1524,8 +1812,9 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.def("panel_linear_float(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("has_panel_linear() -> bool", &has_panel_linear);
   m.def("has_amx_panels() -> bool", &has_amx_panels);
+  m.def("has_int_products() -> bool", &has_int_products);
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
-  m.def("pack_quant_panels(Tensor blocks, int K, str format) -> Tensor");
+  m.def("pack_quant_panels(Tensor blocks, int K, str format, bool integer=False) -> Tensor");
   m.impl("pack_quant_panels", c10::DispatchKey::CPU, &pack_quant_panels);
   m.def("expand_quant_panels(Tensor packed) -> Tensor");
   m.impl("expand_quant_panels", c10::DispatchKey::CPU, &expand_quant_panels);
