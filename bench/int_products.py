@@ -2,10 +2,12 @@
 integers, x as 16-bit integers) against the bf16 panels (the AVX2 default), side by side in one
 process: decode speed, and fidelity to the fp32 model (the exactness reference) on real text.
 
-Usage: python bench/int_products.py [--batches 1,32] [--prompt-tokens 128] [--decode-tokens 32]
-           [--rounds 4] [--threads 2] [--text-tokens 1024] [--skip-speed] [--skip-quality]
+Usage: python bench/int_products.py [--x-bits 16|8] [--batches 1,32] [--prompt-tokens 128]
+           [--decode-tokens 32] [--rounds 4] [--threads 2] [--text-tokens 1024] [--skip-speed]
+           [--skip-quality]
 
-Speed: one bf16 engine loaded with integer records, its bf16 panels packed from the same
+--x-bits 8: x at 8 bits for the Q4 blocks (KVREPLAY_INT_PRODUCTS=8, lossy), 16 for the Q8_0 LM
+head. Speed: one bf16 engine loaded with integer records, its bf16 panels packed from the same
 projections' bf16 weights; generations alternate between the two (bench/alternating.py).
 Quality: the logits at every position of --text-tokens tokens of real text (the Python docs), in
 chunks of 512 through the paged cache, from the fp32 engine and from the bf16 engine with each
@@ -51,7 +53,8 @@ def _perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
 
 
 def main(argv=None) -> int:
-    extra = {"--text-tokens": {"type": int, "default": 1024},
+    extra = {"--x-bits": {"type": int, "choices": (16, 8), "default": 16},
+             "--text-tokens": {"type": int, "default": 1024},
              "--skip-speed": {"action": "store_true"}, "--skip-quality": {"action": "store_true"}}
     args = parse_args(__doc__.split("\n\n")[0], argv, extra)
     if args.text_tokens < 2:
@@ -62,15 +65,16 @@ def main(argv=None) -> int:
     if ops is None or not ops.has_panel_linear() or not ops.has_int_products():
         print("this build of the panel kernel has no integer products (they run on its AVX2 build)")
         return 1
-    os.environ["KVREPLAY_INT_PRODUCTS"] = "1"
+    os.environ["KVREPLAY_INT_PRODUCTS"] = str(args.x_bits)
     llm = bf16_engine()
     model = llm.engine.runner.model
     projections = [model.lm_head] + [layer[name] for layer in model.layers
                                      for name in ("qkv", "o", "gate_up", "down")]
-    if not all(p.panel_format.endswith("/int") for p in projections):
+    if not all("/int" in p.panel_format for p in projections):
         print("not every projection has integer records here (a model without Q4_0/Q4_1/Q8_0 blocks?)")
         return 1
-    panels = {"integer products": [p.panels for p in projections],
+    label = "integer products" + (", 8-bit x" if args.x_bits == 8 else "")
+    panels = {label: [p.panels for p in projections],
               "bf16 panels": [ops.pack_panels(p.weight if p.panel_order is None else p.weight[p.panel_order])
                               for p in projections]}
     forms = panel_forms(model, projections, panels)

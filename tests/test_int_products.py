@@ -122,6 +122,46 @@ def test_argmax_and_silu_read_integer_records(ops):
     assert torch.equal(got, expected)
 
 
+def _x8(x: torch.Tensor) -> torch.Tensor:
+    """x as the 8-bit form takes it: per row and 32-k block, round(x * 127 / max |x|) (fp32, ties
+    to even) times max |x| / 127."""
+    rows, k = x.shape
+    blocks = x.float().view(rows, k // 32, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    # (127 / largest as a tensor division: `127 / tensor` multiplies by a reciprocal, off by an
+    # ulp at times, which moved a tie x * 127 / largest = 63.5 to 63)
+    v = torch.round(blocks * torch.div(torch.full_like(largest, 127.0), largest)).clamp(-127, 127)
+    return (v.double() * (largest / 127).double()).view(rows, k)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32, 33])
+def test_eight_bit_x_products(ops, fmt, rows):
+    """x at 8 bits (lossy): the outputs are the products of the file's weights with x rounded to
+    1/127 of its block's largest, rounded once to bf16 (most of them exactly that)."""
+    n, k = 112, 192
+    raw = _blocks(fmt, n, k, seed=rows)
+    packed = ops.pack_quant_panels(torch.from_numpy(raw), k, fmt, True, 8)
+    assert packed.dtype == torch.int8 and packed.shape == (n // 16, k // 32, 384)
+    w = _weight(fmt, raw)
+    x = torch.randn(rows, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    for b in (None, bias):
+        y = ops.panel_linear(x, packed, b)
+        _check(y, _x8(x), w, b, rounded_share=0.97)
+        assert torch.equal(ops.panel_linear_float(x, packed, b), y.float())
+        # and within the rounding of x from the exact product: half a step of 1/127 a block
+        exact = x.double() @ w.T + (0 if b is None else b.double())
+        largest = x.double().abs().view(rows, k // 32, 32).amax(-1, keepdim=True).expand(rows, k // 32, 32)
+        limit = exact.abs() * 2.0 ** -8 + largest.reshape(rows, k) / 254 @ w.abs().T * 1.0001
+        assert ((y.double() - exact).abs() <= limit).all()
+    assert torch.equal(ops.panel_linear(x[-1:], packed, None), ops.panel_linear(x, packed, None)[-1:])
+    assert torch.equal(ops.panel_argmax(x, packed, None), ops.argmax_rows(ops.panel_linear_float(x, packed, None)))
+    x[0, 3] = float("nan")
+    y = ops.panel_linear_float(x, packed, None)
+    assert torch.isnan(y[0]).all() and (rows == 1 or not torch.isnan(y[1:]).any())
+
+
 def test_integer_records_are_refused_where_bf16_is_meant(ops):
     packed = ops.pack_quant_panels(torch.from_numpy(_blocks("Q4_1", 32, 64)), 64, "Q4_1", True)
     with pytest.raises(RuntimeError, match="not one for integer products"):
@@ -130,6 +170,14 @@ def test_integer_records_are_refused_where_bf16_is_meant(ops):
         ops.panel_linear(torch.randn(2, 64), packed, None)
     with pytest.raises(RuntimeError, match="must come from pack_panels or pack_quant_panels"):
         ops.panel_linear(torch.randn(2, 64).bfloat16(), packed[:, :, :380].contiguous(), None)
+    eight = ops.pack_quant_panels(torch.from_numpy(_blocks("Q4_1", 32, 64)), 64, "Q4_1", True, 8)
+    with pytest.raises(RuntimeError, match="expand_quant_panels"):
+        ops.expand_quant_panels(eight)
+    with pytest.raises(RuntimeError, match="must come from pack_panels or pack_quant_panels"):
+        ops.panel_linear(torch.randn(2, 64).bfloat16(), eight[:, :, :380].contiguous(), None)
+    for fmt, integer, bits in (("Q8_0", True, 8), ("Q4_1", False, 8), ("Q4_1", True, 12)):
+        with pytest.raises(RuntimeError, match="x_bits must be 16, or 8 for integer products on Q4_0 / Q4_1"):
+            ops.pack_quant_panels(torch.from_numpy(_blocks(fmt, 32, 64)), 64, fmt, integer, bits)
 
 
 def test_projection_takes_integer_records_on_request(ops, monkeypatch):
@@ -145,27 +193,36 @@ def test_projection_takes_integer_records_on_request(ops, monkeypatch):
     # rows in pair order for the kernel, outputs in the weight's own order for the caller
     paired = Projection(w.bfloat16(), quantized=blocks, panel_order=silu_pair_order(n // 2))
     assert torch.equal(paired(x), proj(x))
+    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "8")
+    proj8 = Projection(w.bfloat16(), quantized=blocks)
+    assert proj8.panel_format == "Q4_1/int8" and proj8.panels.dtype == torch.int8
+    _check(proj8(x), _x8(x), w, rounded_share=0.95)
+    q8 = _blocks("Q8_0", n, k, seed=12)
+    assert Projection(_weight("Q8_0", q8).bfloat16(), quantized=QuantizedWeight("Q8_0", torch.from_numpy(q8))) \
+        .panel_format == "Q8_0/int"  # Q8_0 blocks keep 16-bit x
     monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "0")
-    assert not Projection(w.bfloat16(), quantized=blocks).panel_format.endswith("/int")
+    assert "/int" not in Projection(w.bfloat16(), quantized=blocks).panel_format
     monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "yes")
-    with pytest.raises(ValueError, match="KVREPLAY_INT_PRODUCTS must be 0 or 1"):
+    with pytest.raises(ValueError, match="KVREPLAY_INT_PRODUCTS must be 0, 1"):
         Projection(w.bfloat16(), quantized=blocks)
 
 
-def test_engine_with_integer_products_stays_near_fp32(ops, monkeypatch, llm32, real_text):
+@pytest.mark.parametrize("setting,formats,least", [("1", {"Q4_1/int", "Q8_0/int"}, 0.96),
+                                                    ("8", {"Q4_1/int8", "Q8_0/int"}, 0.94)])
+def test_engine_with_integer_products_stays_near_fp32(ops, monkeypatch, llm32, real_text, setting, formats, least):
     """The default model in bf16 with integer products (every projection and the LM head, through
     prefill and decode_layers): greedy generation runs clean, and on 512 tokens of real text its
-    top-1 tokens agree with the fp32 model's nearly always (bench/int_products.py: 98.3% on 1,024
-    tokens, the bf16 panels 98.0%)."""
+    top-1 tokens agree with the fp32 model's nearly always (bench/int_products.py, 1,024 tokens:
+    16-bit x 98.3%, 8-bit x 96.3%, the bf16 panels 98.0%)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from int_products import _logits
 
     from kvreplay import LLM, SamplingParams
-    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "1")
+    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", setting)
     llm = LLM(dtype="bfloat16", kv_cache_memory="32MiB", enable_prefix_caching=False)
     model = llm.engine.runner.model
     projections = [model.lm_head] + [layer[n] for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    assert {p.panel_format for p in projections} == {"Q4_1/int", "Q8_0/int"}
+    assert {p.panel_format for p in projections} == formats
     outs = llm.generate(["The capital of France is", "def add(a, b):"],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                         on_step=lambda e: e.check_integrity())
@@ -173,5 +230,5 @@ def test_engine_with_integer_products_stays_near_fp32(ops, monkeypatch, llm32, r
     ids = llm32.tokenizer(real_text).input_ids[:512]
     ours, reference = _logits(model, ids), _logits(llm32.engine.runner.model, ids)
     agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    assert agree > 0.96, agree
-    assert (ours - reference).abs().mean().item() < 0.15
+    assert agree > least, agree
+    assert (ours - reference).abs().mean().item() < 0.25

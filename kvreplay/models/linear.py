@@ -126,10 +126,14 @@ def quant_panels_enabled() -> bool:
     return env_switch("KVREPLAY_QUANT_PANELS")
 
 
-def int_products_enabled() -> bool:
-    """Whether GGUF block weights keep their blocks for integer products:
-    KVREPLAY_INT_PRODUCTS=1 yes (where the kernel has them), 0 or unset no."""
-    return os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip() != "" and env_switch("KVREPLAY_INT_PRODUCTS")
+def int_products_bits() -> int:
+    """The width x goes into integer products at, 0 for none: KVREPLAY_INT_PRODUCTS=1 (or 16):
+    16 bits; 8: 8 bits for Q4_0 / Q4_1 blocks (lossy: x rounded to 1/127 of its block's largest,
+    as llama.cpp does; Q8_0 blocks keep 16 bits); 0 or unset: no integer products."""
+    value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
+    if value not in ("", "0", "1", "16", "8"):
+        raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
+    return {"": 0, "0": 0, "1": 16, "16": 16, "8": 8}[value]
 
 
 @functools.cache
@@ -257,14 +261,17 @@ class Projection:
                 quantized = None if quantized is None else QuantizedWeight(quantized.format,
                                                                            quantized.blocks[panel_order])
                 self.panel_bias = None if bias is None else bias[panel_order].contiguous()
-            integer = quantized is not None and quantized.format in QUANT_FORMATS and int_products_enabled()
+            bits = int_products_bits()
+            integer = quantized is not None and quantized.format in QUANT_FORMATS and bits > 0
             if integer and not ops.has_int_products():
                 _warn_no_int_products()
                 integer = False
             if quantized is not None and quantized.format in QUANT_FORMATS and (integer or quant_panels_enabled()):
                 try:
-                    self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format, integer)
-                    self.panel_format = quantized.format + ("/int" if integer else "")
+                    x_bits = 8 if integer and bits == 8 and quantized.format != "Q8_0" else 16
+                    self.panels = ops.pack_quant_panels(quantized.blocks, weight.shape[1], quantized.format, integer,
+                                                        x_bits)
+                    self.panel_format = quantized.format + ("" if not integer else "/int8" if x_bits == 8 else "/int")
                 except RuntimeError as exc:  # a Q4_0 scale past fp16's reach: the bf16 copy serves
                     log.warning("%s blocks kept as bf16 panels: %s", quantized.format, str(exc).splitlines()[0])
             if self.panels is None:

@@ -447,10 +447,15 @@ inline float half_to_float(const uint8_t* p) {
 // nibbles, weight i < 16 in byte i's low nibble, weight 16 + i in its high one; Q8_0: d fp16,
 // 32 int8). Out: [N / 16, K / 32, record] uint8, the records in the order above.
 // integer: records for integer products (kQ4IntRecord / kQ8IntRecord), refused on a build
-// without the AVX2 kernel.
-at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format, bool integer) {
+// without the AVX2 kernel. x_bits: the width x goes in at, 16 or (Q4_0 / Q4_1 only) 8; the
+// records for 8-bit x are the same bytes as an int8 tensor, which is how the kernel tells them.
+at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::string& format, bool integer,
+                             int64_t x_bits) {
   TORCH_CHECK(!integer || kIntProducts, "pack_quant_panels: integer products run on the AVX2 kernel only; this "
               "build has AVX512-BF16 (its products expand the blocks to bf16) or no AVX2");
+  TORCH_CHECK(x_bits == 16 || (x_bits == 8 && integer && (format == "Q4_0" || format == "Q4_1")),
+              "pack_quant_panels: x_bits must be 16, or 8 for integer products on Q4_0 / Q4_1 blocks; got ", x_bits,
+              " for ", format, integer ? " (integer)" : "");
   // Q4_0 (d fp16, 16 bytes of nibbles; gguf-py: d * (q - 8)) goes into Q4_1 records with
   // m = -8 d: d * q + m is then exactly d * (q - 8) (both exact in fp32), and -8 d is exact in
   // fp16 unless it overflows (|d| >= 8192, refused below)
@@ -525,7 +530,7 @@ at::Tensor pack_quant_panels(const at::Tensor& blocks, int64_t K, const std::str
       }
     }
   });
-  return ints;
+  return x_bits == 8 ? ints.view(at::kChar) : ints;
 }
 
 #if defined(__AVX512BF16__)
@@ -1100,6 +1105,215 @@ void int_panel(const int16_t* v, const float* scale, const float* sum, const uin
     for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
   }
 }
+
+// ---- the same with x at 8 bits (Q4 records as an int8 tensor: pack_quant_panels(..., x_bits=8)) ----
+// x per row and 32-k block as s * v, s = max |x| / 127 and v = round(x / s) in [-127, 127]: each
+// value off by up to s / 2 (llama.cpp's Q8 rounding of x for these blocks; lossy, unlike the
+// 16-bit form). Then VPMADDUBSW multiplies 32 weight nibbles (0-15) by 32 values of v and adds
+// pairs into 16-bit sums (8 quads of k a block: at most 8 * 2 * 15 * 127 = 30,480, no
+// saturation), VPMADDWD by ones widens them, and the block folds in as above.
+constexpr int64_t kQuads = kQuantBlock / 4;  // 4 k's a byte group
+
+// x ([M][K] bf16 bits) as v ([M][K] int8), scale and s * sum(v) per row and block (as
+// quantize_rows: zeros -> s = 1; an inf or NaN -> NaN)
+void quantize_rows8(const uint16_t* x, int64_t M, int64_t K, int8_t* v, float* scale, float* sum) {
+  const int64_t blocks = K / kQuantBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* xb = x + m * K + b * kQuantBlock;
+      int8_t* vb = v + m * K + b * kQuantBlock;
+      const int64_t at = m * blocks + b;
+      __m256 f[4];
+      __m256 top = _mm256_setzero_ps();
+      bool finite = true;
+      for (int i = 0; i < 4; ++i) {
+        f[i] = widen8(xb + 8 * i);
+        const __m256 a = _mm256_andnot_ps(sign, f[i]);
+        finite = finite && _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::max()),
+                                                            _CMP_NLE_UQ)) == 0;
+        top = _mm256_max_ps(top, a);
+      }
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+      const float largest = _mm_cvtss_f32(t);
+      if (!finite || largest == 0.f) {
+        std::memset(vb, 0, kQuantBlock);
+        scale[at] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
+        sum[at] = finite ? 0.f : scale[at];
+        continue;
+      }
+      scale[at] = largest / 127.f;
+      const __m256 inverse = _mm256_set1_ps(127.f / largest);
+      __m256i ints[4];
+      for (int i = 0; i < 4; ++i) {  // |x| * 127 / largest <= 127 (+ rounding): clamped below
+        ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inverse));
+        ints[i] = _mm256_max_epi32(_mm256_min_epi32(ints[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      }
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+      // 32 int32 -> 32 int8 in order: packs interleave 128-bit lanes, the permute puts them back
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[0], ints[1]), 0xD8);
+      const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2], ints[3]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vb),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 8));
+      s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 4));
+      sum[at] = static_cast<float>(_mm_cvtsi128_si32(s4)) * scale[at];
+    }
+}
+
+// Block kb of a panel of `width` tiles of Q4 integer records into buf ([8 quads][kWide
+// outputs][4] uint8: VPMADDUBSW's operand, 8 outputs x 4 k's a vector) and scales as
+// widen_int_block. A record row j holds pairs (2j, 2j + 1): rows 2q and 2q + 1 interleaved by
+// 16 bits give quad q.
+void widen_int8_block(const uint8_t* q, int64_t width, int64_t kb, uint8_t* buf, float* d, float* mn) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t t = 0; t < width; ++t) {
+    const uint8_t* rec = q + (kb * width + t) * kQ4IntRecord;
+    for (int64_t quad = 0; quad < kQuads; ++quad) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * quad * 16));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + (2 * quad + 1) * 16));
+      const __m128i alo = _mm_and_si128(a, nibble), blo = _mm_and_si128(b, nibble);
+      const __m128i ahi = _mm_and_si128(_mm_srli_epi16(a, 4), nibble), bhi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+      uint8_t* row = buf + (quad * kWide + t * kLanes) * 4;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row), _mm_unpacklo_epi16(alo, blo));       // outputs 0-3
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16), _mm_unpackhi_epi16(alo, blo));  // 4-7
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 32), _mm_unpacklo_epi16(ahi, bhi));  // 8-11
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 48), _mm_unpackhi_epi16(ahi, bhi));  // 12-15
+    }
+    std::memcpy(d + t * kLanes, rec + 256, kLanes * sizeof(float));
+    std::memcpy(mn + t * kLanes, rec + 256 + kLanes * sizeof(float), kLanes * sizeof(float));
+  }
+}
+
+// MB rows of v (int8, row 0's block, row stride ldx) over one widened block, C x 8 outputs:
+// 16-bit sums in registers, widened and folded as int_block does.
+template <int MB, int C>
+void int8_block(const int8_t* v, int64_t ldx, const float* scale, const float* sum, int64_t lds,
+                const uint8_t* buf, const float* d, const float* mn, float* sums, bool first) {
+  static_assert(MB >= 1 && MB <= 3 && C >= 1 && C <= 3, "3 rows x 3 columns of 8 at most");
+  alignas(32) int16_t ints[9][16];
+  if constexpr (C == 3) {
+    // in asm for the reason int_block's loop is (GCC spilled the 16-bit sums): the sums in
+    // ymm0-8 (3 a row), the quad's 3 weight vectors in ymm9-11 (VPMADDUBSW takes its unsigned
+    // bytes from a register), x's broadcast in ymm12, the product in ymm13
+    const int8_t* x0 = v;
+    const uint8_t* w = buf;
+    const int64_t ld = ldx;
+    int64_t n = kQuads;
+    static_assert(kWide * 4 == 192, "the asm steps a quad's row of the widened block");
+#define KVREPLAY_INT8_STEP(wr, acc) \
+    "vpmaddubsw %%ymm12, %%ymm" #wr ", %%ymm13\n\tvpaddw %%ymm13, %%ymm" #acc ", %%ymm" #acc "\n\t"
+#define KVREPLAY_INT8_ROW(address, a0, a1, a2) \
+    "vpbroadcastd " address ", %%ymm12\n\t" KVREPLAY_INT8_STEP(9, a0) KVREPLAY_INT8_STEP(10, a1) KVREPLAY_INT8_STEP(11, a2)
+#define KVREPLAY_INT8_LOOP(rows)                                                                               \
+    asm volatile(                                                                                              \
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"     \
+        "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"     \
+        "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"     \
+        "1:\n\t"                                                                                               \
+        "vmovdqu (%[w]), %%ymm9\n\tvmovdqu 32(%[w]), %%ymm10\n\tvmovdqu 64(%[w]), %%ymm11\n\t"                 \
+        rows                                                                                                   \
+        "add $4, %[x]\n\t"                                                                                     \
+        "add $192, %[w]\n\t"                                                                                   \
+        "dec %[n]\n\t"                                                                                         \
+        "jnz 1b\n\t"                                                                                           \
+        "vmovdqa %%ymm0, (%[out])\n\tvmovdqa %%ymm1, 32(%[out])\n\tvmovdqa %%ymm2, 64(%[out])\n\t"             \
+        "vmovdqa %%ymm3, 96(%[out])\n\tvmovdqa %%ymm4, 128(%[out])\n\tvmovdqa %%ymm5, 160(%[out])\n\t"         \
+        "vmovdqa %%ymm6, 192(%[out])\n\tvmovdqa %%ymm7, 224(%[out])\n\tvmovdqa %%ymm8, 256(%[out])"            \
+        : [x] "+r"(x0), [w] "+r"(w), [n] "+r"(n)                                                               \
+        : [ld] "r"(ld), [out] "r"(&ints[0][0])                                                                 \
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",    \
+          "xmm12", "xmm13", "cc", "memory")
+    if constexpr (MB == 1)
+      KVREPLAY_INT8_LOOP(KVREPLAY_INT8_ROW("(%[x])", 0, 1, 2));
+    else if constexpr (MB == 2)
+      KVREPLAY_INT8_LOOP(KVREPLAY_INT8_ROW("(%[x])", 0, 1, 2) KVREPLAY_INT8_ROW("(%[x],%[ld],1)", 3, 4, 5));
+    else
+      KVREPLAY_INT8_LOOP(KVREPLAY_INT8_ROW("(%[x])", 0, 1, 2) KVREPLAY_INT8_ROW("(%[x],%[ld],1)", 3, 4, 5)
+                             KVREPLAY_INT8_ROW("(%[x],%[ld],2)", 6, 7, 8));
+#undef KVREPLAY_INT8_LOOP
+#undef KVREPLAY_INT8_ROW
+#undef KVREPLAY_INT8_STEP
+  } else {
+    __m256i acc[MB][C];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_si256();
+    for (int64_t quad = 0; quad < kQuads; ++quad) {
+      const uint8_t* wq = buf + quad * kWide * 4;
+      for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, v + m * ldx + 4 * quad, sizeof four);
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int c = 0; c < C; ++c)
+          acc[m][c] = _mm256_add_epi16(acc[m][c], _mm256_maddubs_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * c)), xb));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < C; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(ints[m * 3 + c]), acc[m][c]);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MB; ++m) {
+    const __m256 s = _mm256_set1_ps(scale[m * lds]), total = _mm256_set1_ps(sum[m * lds]);
+    for (int c = 0; c < C; ++c) {
+      const __m256i wide = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(ints[m * 3 + c])), ones);
+      float* at = sums + m * kWide + 8 * c;
+      const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(at);
+      const __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(wide), s), _mm256_loadu_ps(d + 8 * c), prev);
+      _mm256_storeu_ps(at, _mm256_fmadd_ps(_mm256_loadu_ps(mn + 8 * c), total, r));
+    }
+  }
+}
+
+template <int C>
+void int8_rows(const int8_t* v, const float* scale, const float* sum, int64_t K, const uint8_t* buf, const float* d,
+               const float* mn, float* sums, int64_t M, bool first) {
+  const int64_t blocks = (M + 2) / 3, lds = K / kQuantBlock;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m0) / (blocks - b);  // balanced, as panel_rows
+    const int8_t* vm = v + m0 * K;
+    const float *sm = scale + m0 * lds, *tm = sum + m0 * lds;
+    float* out = sums + m0 * kWide;
+    switch (rows) {
+      case 1: int8_block<1, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+      case 2: int8_block<2, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+      default: int8_block<3, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
+    }
+    m0 += rows;
+  }
+}
+
+// All M rows (quantize_rows8's v, scale, sum) against one panel of `width` tiles of Q4 integer
+// records, into out (row stride ld), as int_panel.
+template <typename OutT>
+void int8_panel(const int8_t* v, const float* scale, const float* sum, const uint8_t* q, int64_t width,
+                const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
+  uint8_t* buf = kvreplay_scratch::thread_buffer<uint8_t, 5>(kQuads * kWide * 4);
+  float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
+  float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
+  const int64_t cols = width * kLanes;
+  for (int64_t kb = 0; kb < K / kQuantBlock; ++kb) {
+    widen_int8_block(q, width, kb, buf, scales, scales + kWide);
+    const int64_t k0 = kb * kQuantBlock;
+    for (int64_t c0 = 0; c0 < cols;) {
+      const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
+      const uint8_t* b = buf + c0 * 4;
+      switch (groups) {
+        case 3: int8_rows<3>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+        case 2: int8_rows<2>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+        default: int8_rows<1>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+      }
+      c0 += groups * 8;
+    }
+  }
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
+  }
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -1216,6 +1430,11 @@ void amx_rows(const uint16_t* x, const uint16_t* tail, int64_t r, int64_t M, con
 // (N, K) of the weight a pack_panels or pack_quant_panels tensor holds; an error naming `name`
 // for any other tensor
 std::pair<int64_t, int64_t> panel_shape(const at::Tensor& packed, const char* name) {
+  if (packed.scalar_type() == at::kChar) {  // Q4 records for 8-bit x
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4IntRecord && packed.is_contiguous(), name,
+                ": weight must come from pack_panels or pack_quant_panels");
+    return {packed.size(0) * kLanes, packed.size(1) * kQuantBlock};
+  }
   if (packed.scalar_type() == at::kByte) {
     TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kQ4_1Record || packed.size(2) == kQ8_0Record ||
                                       is_int_record(packed.size(2))) &&
@@ -1403,11 +1622,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto* bp = has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
   const int64_t tiles = N / kLanes;
   // panel p's bf16 weights: in place, or expanded from quantized records into `buffer`
-  const bool quant = packed.scalar_type() == at::kByte;
+  const bool x8 = packed.scalar_type() == at::kChar;  // Q4 integer records for 8-bit x
+  const bool quant = packed.scalar_type() == at::kByte || x8;
   const int64_t record = quant ? packed.size(2) : 0;
   TORCH_CHECK(!is_int_record(record) || kIntProducts, name, ": integer records need the AVX2 kernel");
   const auto* wp = quant ? nullptr : reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const auto* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
+  const auto* qp = quant ? reinterpret_cast<const uint8_t*>(packed.data_ptr()) : nullptr;
   auto records = [=](int64_t p) { return qp + p * kPanelTiles * (K / kQuantBlock) * record; };  // panel p's
 #if defined(__AVX512BF16__)
   const int64_t buffer_size = quant ? kPanelTiles * kLanes * K : 0;
@@ -1471,8 +1691,14 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   const bool ints = quant && is_int_record(record);
   float* xf = nullptr;
   int16_t* xv = nullptr;
+  int8_t* xv8 = nullptr;
   float *xscale = nullptr, *xsum = nullptr;
-  if (ints) {
+  if (x8) {
+    xv8 = kvreplay_scratch::thread_buffer<int8_t, 4>(M * K);
+    xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
+    xsum = xscale + M * (K / kQuantBlock);
+    quantize_rows8(xp, M, K, xv8, xscale, xsum);
+  } else if (ints) {
     xv = kvreplay_scratch::thread_buffer<int16_t, 4>(M * K);
     xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
     xsum = xscale + M * (K / kQuantBlock);
@@ -1490,7 +1716,9 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
-        if (ints)
+        if (x8)
+          int8_panel(xv8, xscale, xsum, records(p), width, bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
+        else if (ints)
           int_panel(xv, xscale, xsum, records(p), record, width, bp ? bp + n0 : nullptr, o, M,
                     staged ? kPanelWidth : N, K);
         else
@@ -1814,7 +2042,7 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.def("has_amx_panels() -> bool", &has_amx_panels);
   m.def("has_int_products() -> bool", &has_int_products);
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
-  m.def("pack_quant_panels(Tensor blocks, int K, str format, bool integer=False) -> Tensor");
+  m.def("pack_quant_panels(Tensor blocks, int K, str format, bool integer=False, int x_bits=16) -> Tensor");
   m.impl("pack_quant_panels", c10::DispatchKey::CPU, &pack_quant_panels);
   m.def("expand_quant_panels(Tensor packed) -> Tensor");
   m.impl("expand_quant_panels", c10::DispatchKey::CPU, &expand_quant_panels);
