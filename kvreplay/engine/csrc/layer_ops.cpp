@@ -25,14 +25,15 @@
 //       16 rows, ~14.5 ms at 32 (oneDNN, on the same tiles: ~14.5 and ~17.5 ms). On an
 //       AVX2-only CPU (no bf16 instructions: a Zen 3) each thread widens a slice of a panel to
 //       fp32 at a time and runs fp32 FMAs (below): the same sums, within one rounding.
-//   pack_quant_panels(blocks, K, format, integer=False) / expand_quant_panels(packed)
+//   pack_quant_panels(blocks, K, format, integer=False, x_bits=16) / expand_quant_panels(packed)
 //       The panel copy of a GGUF tensor kept as its Q4_0 / Q4_1 / Q8_0 blocks (a third or half
 //       of the bf16 panels' bytes); panel_linear and decode_layer take it like a bf16 panel and
 //       expand it as they go, to the same bf16 weights (layout and arithmetic below).
 //       expand_quant_panels gives the bf16 panels it stands for (tests, benches). With integer
 //       (AVX2 builds, has_int_products()): records that the products read as integers, with x
 //       as 16-bit integers per 32-k block: the file's own weights, not their bf16 rounding
-//       (int_panel below).
+//       (int_panel below); with x_bits=8 (Q4 blocks), x rounded to 8 bits per block, lossy
+//       (int8_panel below).
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
@@ -890,6 +891,8 @@ void avx2_panel(const float* x, const uint16_t* w, const uint8_t* q, int64_t rec
 // gains from reading a third of the bytes (1.30x; docs/benchmarks.md). A row's result still
 // does not depend on the other rows, the blocking or the threads.
 constexpr int64_t kIntPairs = kQuantBlock / 2;  // pairs (k, k + 1) a block
+// the running sums before the first block, for the folds in asm (int_block, int8_block)
+alignas(32) constexpr float kZeroSums[4 * kWide] = {};
 
 // x ([M][K] bf16 bits) as v ([M][K] int16) and, per row and 32-k block (index m * K / 32 + b),
 // its scale s = 2^(E - 14) (E: the exponent of the block's largest |x|, so |v| < 2^15) and
@@ -983,8 +986,9 @@ void int_block(const int16_t* v, int64_t ldx, const float* scale, const float* s
     // as intrinsics, GCC kept 5-8 of the 12 sums on the stack and moved the rest between
     // registers every pair (VPMADDWD does not accumulate, so each product needs a register of
     // its own). Here the sums stay in ymm0-11, x's broadcast and the product in ymm12-13, the
-    // weights come from L1 as memory operands, and the sums go to `ints` at the end.
-    alignas(32) int32_t ints[12][8];
+    // weights come from L1 as memory operands; then each row's fold in the same statement, the
+    // C fold's arithmetic below step for step (cvt, times s, + d * that + the running sums,
+    // + m * total).
     const int16_t* x0 = v;
     const int16_t* w = buf;
     const int64_t ld = ldx * 2, ld3 = 3 * ldx * 2;
@@ -992,6 +996,14 @@ void int_block(const int16_t* v, int64_t ldx, const float* scale, const float* s
     static_assert(kWide * 2 * sizeof(int16_t) == 192, "the asm steps a pair's row of the widened block");
 #define KVREPLAY_INT_STEP(offset, acc) \
     "vpmaddwd " #offset "(%[w]), %%ymm12, %%ymm13\n\tvpaddd %%ymm13, %%ymm" #acc ", %%ymm" #acc "\n\t"
+#define KVREPLAY_INT_FOLD1(acc, col, at)                                                                      \
+    "vcvtdq2ps %%ymm" #acc ", %%ymm" #acc "\n\tvmulps %%ymm12, %%ymm" #acc ", %%ymm" #acc "\n\t"            \
+    "vmovups " #at "(%[prev]), %%ymm13\n\t"                                                                   \
+    "vfmadd231ps " #col "(%[d]), %%ymm" #acc ", %%ymm13\n\tvfmadd231ps " #col "(%[mn]), %%ymm15, %%ymm13\n\t"  \
+    "vmovups %%ymm13, " #at "(%[sums])\n\t"
+#define KVREPLAY_INT_FOLD(scale_at, total_at, a0, a1, a2, at0, at1, at2)                                      \
+    "vbroadcastss " scale_at ", %%ymm12\n\tvbroadcastss " total_at ", %%ymm15\n\t"                           \
+    KVREPLAY_INT_FOLD1(a0, 0, at0) KVREPLAY_INT_FOLD1(a1, 32, at1) KVREPLAY_INT_FOLD1(a2, 64, at2)
     asm volatile(
         "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
         "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
@@ -1010,18 +1022,20 @@ void int_block(const int16_t* v, int64_t ldx, const float* scale, const float* s
         "add $192, %[w]\n\t"  // kWide * 2 int16: the next pair's row
         "dec %[n]\n\t"
         "jnz 1b\n\t"
-        "vmovdqa %%ymm0, (%[out])\n\tvmovdqa %%ymm1, 32(%[out])\n\tvmovdqa %%ymm2, 64(%[out])\n\t"
-        "vmovdqa %%ymm3, 96(%[out])\n\tvmovdqa %%ymm4, 128(%[out])\n\tvmovdqa %%ymm5, 160(%[out])\n\t"
-        "vmovdqa %%ymm6, 192(%[out])\n\tvmovdqa %%ymm7, 224(%[out])\n\tvmovdqa %%ymm8, 256(%[out])\n\t"
-        "vmovdqa %%ymm9, 288(%[out])\n\tvmovdqa %%ymm10, 320(%[out])\n\tvmovdqa %%ymm11, 352(%[out])"
+        KVREPLAY_INT_FOLD("(%[sc])", "(%[tot])", 0, 1, 2, 0, 32, 64)
+        KVREPLAY_INT_FOLD("(%[sc],%[lds],1)", "(%[tot],%[lds],1)", 3, 4, 5, 192, 224, 256)
+        KVREPLAY_INT_FOLD("(%[sc],%[lds],2)", "(%[tot],%[lds],2)", 6, 7, 8, 384, 416, 448)
+        KVREPLAY_INT_FOLD("(%[sc],%[lds3],1)", "(%[tot],%[lds3],1)", 9, 10, 11, 576, 608, 640)
         : [x] "+r"(x0), [w] "+r"(w), [n] "+r"(n)
-        : [ld] "r"(ld), [ld3] "r"(ld3), [out] "r"(&ints[0][0])
+        : [ld] "r"(ld), [ld3] "r"(ld3), [sc] "r"(scale), [tot] "r"(sum), [lds] "r"(lds * 4), [lds3] "r"(3 * lds * 4),
+          [d] "r"(d), [mn] "r"(mn), [prev] "r"(first ? kZeroSums : sums), [sums] "r"(sums)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-          "xmm12", "xmm13", "cc", "memory");
+          "xmm12", "xmm13", "xmm15", "cc", "memory");
+#undef KVREPLAY_INT_FOLD
+#undef KVREPLAY_INT_FOLD1
 #undef KVREPLAY_INT_STEP
-    auto at = [&](int i) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(ints[i])); };
-    a00 = at(0), a01 = at(1), a02 = at(2), a10 = at(3), a11 = at(4), a12 = at(5);
-    a20 = at(6), a21 = at(7), a22 = at(8), a30 = at(9), a31 = at(10), a32 = at(11);
+    static_assert(kWide * sizeof(float) == 192, "the fold steps a row of the running sums");
+    return;
   } else {
     for (int64_t j = 0; j < kIntPairs; ++j) {
       const int16_t* wj = buf + j * kWide * 2;
@@ -1113,7 +1127,6 @@ void int_panel(const int16_t* v, const float* scale, const float* sum, const uin
 // pairs into 16-bit sums (8 quads of k a block: at most 8 * 2 * 15 * 127 = 30,480, no
 // saturation), VPMADDWD by ones widens them, and the block folds in as above.
 constexpr int64_t kQuads = kQuantBlock / 4;  // 4 k's a byte group
-alignas(32) constexpr float kZeroSums[3 * kWide] = {};  // int8_block's running sums before the first block
 
 // x ([M][K] bf16 bits) as v ([M][K] int8), scale and s * sum(v) per row and block (as
 // quantize_rows: zeros -> s = 1; an inf or NaN -> NaN)
