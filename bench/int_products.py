@@ -8,7 +8,8 @@ Usage: python bench/int_products.py [--x-bits 16|8] [--batches 1,32] [--prompt-t
 
 --x-bits 8: x at 8 bits for the Q4 blocks (KVREPLAY_INT_PRODUCTS=8, lossy), 16 for the Q8_0 LM
 head. Speed: one bf16 engine loaded with integer records, its bf16 panels packed from the same
-projections' bf16 weights; generations alternate between the two (bench/alternating.py).
+projections' bf16 weights (moved onto 2 MiB pages as the loaded ones are); generations alternate
+between the two (bench/alternating.py).
 Quality: the logits at every position of --text-tokens tokens of real text (the Python docs), in
 chunks of 512 through the paged cache, from the fp32 engine and from the bf16 engine with each
 form: top-1 agreement with fp32, mean and largest |logit difference|, and each one's perplexity.
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
         print("--text-tokens must be at least 2", file=sys.stderr)
         return 2
     from kvreplay.engine import cpu_kernels
+    from kvreplay.models.linear import onto_huge_pages
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear() or not ops.has_int_products():
         print("this build of the panel kernel has no integer products (they run on its AVX2 build)")
@@ -74,9 +76,14 @@ def main(argv=None) -> int:
         print("not every projection has integer records here (a model without Q4_0/Q4_1/Q8_0 blocks?)")
         return 1
     label = "integer products" + (", 8-bit x" if args.x_bits == 8 else "")
-    panels = {label: [p.panels for p in projections],
-              "bf16 panels": [ops.pack_panels(p.weight if p.panel_order is None else p.weight[p.panel_order])
-                              for p in projections]}
+    records = [p.panels for p in projections]
+    # the bf16 panels on 2 MiB pages too, as the engine keeps the panels it loads (a step that
+    # streams them from 4 KiB pages runs slower at batch 1: the comparison would favour the records)
+    for projection in projections:
+        weight = projection.weight if projection.panel_order is None else projection.weight[projection.panel_order]
+        projection.panels = ops.pack_panels(weight)
+    onto_huge_pages(projections)
+    panels = {label: records, "bf16 panels": [p.panels for p in projections]}
     forms = panel_forms(model, projections, panels)
     status = 0 if args.skip_speed else compare(llm, args, forms)
     if args.skip_quality:

@@ -26,12 +26,12 @@ With KVREPLAY_INT_PRODUCTS=1 (off by default; AVX2 builds of the kernel, `has_in
 blocks are kept for integer products instead: x goes in as 16-bit integers per 32-k block, and
 each output is the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights'
 bf16 roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70%
-for the bf16 panels, in 6 bits a weight. On a Zen 3: 1.30x decode at batch 1 (a third of the
-bytes), 0.87x at batch 32 (docs/benchmarks.md), hence off by default. KVREPLAY_INT_PRODUCTS=8
+for the bf16 panels, in 6 bits a weight. On a Zen 3: 1.21x decode at batch 1 (a third of the
+bytes), 0.99x at batch 32 (docs/benchmarks.md), hence off by default. KVREPLAY_INT_PRODUCTS=8
 rounds x to 8 bits per block for the Q4 blocks instead (llama.cpp's arithmetic for them; the
 Q8_0 LM head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the
-bf16 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.54x
-decode at batch 1 and 1.37x at batch 32 against the bf16 panels. Off by default too.
+bf16 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x
+decode at batch 1 and 1.18x at batch 32 against the bf16 panels. Off by default too.
 On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
 a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
 result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),

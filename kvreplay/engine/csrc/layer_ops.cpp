@@ -886,9 +886,9 @@ void avx2_panel(const float* x, const uint16_t* w, const uint8_t* q, int64_t rec
 // Against the bf16 path: the weights are the file's own numbers rather than their bf16 roundings
 // (each off by up to 2^-9 relative), x is the same bf16 up to the rare tiny value far below its
 // block's largest, and on a Zen 3 core VPMADDWD + VPADDD do 16 products where an FMA does 8,
-// with no widening of the weights to fp32; measured in a decode step there, the per-block fold
-// and the block widening take that gain back at batch 32 (0.87x the bf16 panels) while batch 1
-// gains from reading a third of the bytes (1.30x; docs/benchmarks.md). A row's result still
+// with no widening of the weights to fp32; measured in decode there, the per-block fold and
+// the block widening take that gain back at batch 32 (0.99x the bf16 panels) while batch 1
+// gains from reading a third of the bytes (1.21x; docs/benchmarks.md). A row's result still
 // does not depend on the other rows, the blocking or the threads.
 constexpr int64_t kIntPairs = kQuantBlock / 2;  // pairs (k, k + 1) a block
 // the running sums before the first block, for the folds in asm (int_block, int8_block)
