@@ -33,7 +33,7 @@
 //       (AVX2 builds, has_int_products()): records that the products read as integers, with x
 //       as 16-bit integers per 32-k block: the file's own weights, not their bf16 rounding
 //       (int_panel below); with x_bits=8 (Q4 blocks), x rounded to 8 bits per block, lossy
-//       (int8_panel below).
+//       (int_panel with Int8Form below).
 //   panel_linear_float(x, packed, bias?)
 //       The same products and roundings, each output rounded to bf16 as above and stored widened
 //       to fp32: what `panel_linear(...).float()` gives, without a second pass (the LM head).
@@ -839,6 +839,16 @@ void avx2_row_pairs(const float* x, const uint16_t* w, const uint16_t* bias, Out
     store_rounded8(out + 8 * g, _mm256_add_ps(sums[g], bias ? widen8(bias + 8 * g) : _mm256_setzero_ps()));
 }
 
+// The running sums of a panel's `cols` outputs (row m at sums + m * kWide) plus the bias,
+// rounded once to bf16, into out (row stride ld): the end of every AVX2 panel kernel.
+template <typename OutT>
+void store_sums(const float* sums, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t cols) {
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
+  }
+}
+
 // All M rows (x: [M][K] fp32) against one panel of `width` tiles (w or q, as widen_slice takes
 // them), into out (row stride ld): slice by slice, columns in groups of 24 (then 16 or 8); one
 // row of a bf16 panel straight from the pairs
@@ -869,10 +879,7 @@ void avx2_panel(const float* x, const uint16_t* w, const uint8_t* q, int64_t rec
       c0 += groups * 8;
     }
   }
-  for (int64_t c = 0; c < cols; c += 8) {
-    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
-  }
+  store_sums(sums, bias, out, M, ld, cols);
 }
 
 // ---- integer products on the file's blocks (AVX2; records from pack_quant_panels(..., integer)) ----
@@ -1071,54 +1078,6 @@ void int_block(const int16_t* v, int64_t ldx, const float* scale, const float* s
   }
 }
 
-constexpr int64_t kIntRowBlock = 4;  // rows a block (int_block's asm takes 4 x 24 outputs)
-template <int C>
-void int_rows(const int16_t* v, const float* scale, const float* sum, int64_t K, const int16_t* buf, const float* d,
-              const float* mn, float* sums, int64_t M, bool first) {
-  const int64_t blocks = (M + kIntRowBlock - 1) / kIntRowBlock, lds = K / kQuantBlock;
-  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-    const int64_t rows = (M - m0) / (blocks - b);  // balanced, as panel_rows
-    const int16_t* vm = v + m0 * K;
-    const float *sm = scale + m0 * lds, *tm = sum + m0 * lds;
-    float* out = sums + m0 * kWide;
-    switch (rows) {
-      case 1: int_block<1, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-      case 2: int_block<2, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-      case 3: int_block<3, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-      default: int_block<4, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-    }
-    m0 += rows;
-  }
-}
-
-// All M rows (quantize_rows' v, scale, sum) against one panel of `width` tiles of integer
-// records (q), into out (row stride ld): block by block, columns in groups of 24 (then 16 or 8).
-template <typename OutT>
-void int_panel(const int16_t* v, const float* scale, const float* sum, const uint8_t* q, int64_t record,
-               int64_t width, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
-  int16_t* buf = kvreplay_scratch::thread_buffer<int16_t, 5>(kIntPairs * kWide * 2);
-  float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
-  float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
-  const int64_t cols = width * kLanes;
-  for (int64_t kb = 0; kb < K / kQuantBlock; ++kb) {
-    widen_int_block(q, record, width, kb, buf, scales, scales + kWide);
-    const int64_t k0 = kb * kQuantBlock;
-    for (int64_t c0 = 0; c0 < cols;) {
-      const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
-      const int16_t* b = buf + c0 * 2;
-      switch (groups) {
-        case 3: int_rows<3>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
-        case 2: int_rows<2>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
-        default: int_rows<1>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
-      }
-      c0 += groups * 8;
-    }
-  }
-  for (int64_t c = 0; c < cols; c += 8) {
-    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
-  }
-}
 
 // ---- the same with x at 8 bits (Q4 records as an int8 tensor: pack_quant_panels(..., x_bits=8)) ----
 // x per row and 32-k block as s * v, s = max |x| / 127 and v = round(x / s) in [-127, 127]: each
@@ -1306,51 +1265,80 @@ void int8_block(const int8_t* v, int64_t ldx, const float* scale, const float* s
   }
 }
 
-template <int C>
-void int8_rows(const int8_t* v, const float* scale, const float* sum, int64_t K, const uint8_t* buf, const float* d,
-               const float* mn, float* sums, int64_t M, bool first) {
-  const int64_t blocks = (M + 2) / 3, lds = K / kQuantBlock;
+
+// The two forms of integer products for int_rows / int_panel: the type of x's integers and of the
+// widened weights, the most rows a block kernel takes, the widened block's size, and its widening
+// and block kernels.
+struct Int16Form {  // 16-bit x (int_block)
+  using X = int16_t;
+  using W = int16_t;
+  static constexpr int kMaxRows = 4;
+  static constexpr int64_t kBuffer = kIntPairs * kWide * 2, kBytesAnOutput = 2;  // (a k pair: 2 int16)
+  static void widen(const uint8_t* q, int64_t record, int64_t width, int64_t kb, W* buf, float* d, float* mn) {
+    widen_int_block(q, record, width, kb, buf, d, mn);
+  }
+  template <int MB, int C, typename... Args> static void block(Args... args) { int_block<MB, C>(args...); }
+};
+struct Int8Form {  // 8-bit x, Q4 records only (int8_block)
+  using X = int8_t;
+  using W = uint8_t;
+  static constexpr int kMaxRows = 3;
+  static constexpr int64_t kBuffer = kQuads * kWide * 4, kBytesAnOutput = 4;  // (a k quad: 4 bytes)
+  static void widen(const uint8_t* q, int64_t, int64_t width, int64_t kb, W* buf, float* d, float* mn) {
+    widen_int8_block(q, width, kb, buf, d, mn);
+  }
+  template <int MB, int C, typename... Args> static void block(Args... args) { int8_block<MB, C>(args...); }
+};
+
+// All M rows over one widened block, C x 8 outputs (buf, d, mn at the first), in balanced blocks
+// of up to Form::kMaxRows rows (as panel_rows)
+template <typename Form, int C>
+void int_rows(const typename Form::X* v, const float* scale, const float* sum, int64_t K,
+              const typename Form::W* buf, const float* d, const float* mn, float* sums, int64_t M, bool first) {
+  const int64_t blocks = (M + Form::kMaxRows - 1) / Form::kMaxRows, lds = K / kQuantBlock;
   for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-    const int64_t rows = (M - m0) / (blocks - b);  // balanced, as panel_rows
-    const int8_t* vm = v + m0 * K;
+    const int64_t rows = (M - m0) / (blocks - b);
+    const auto* vm = v + m0 * K;
     const float *sm = scale + m0 * lds, *tm = sum + m0 * lds;
     float* out = sums + m0 * kWide;
-    switch (rows) {
-      case 1: int8_block<1, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-      case 2: int8_block<2, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-      default: int8_block<3, C>(vm, K, sm, tm, lds, buf, d, mn, out, first); break;
-    }
+    if (rows == 1)
+      Form::template block<1, C>(vm, K, sm, tm, lds, buf, d, mn, out, first);
+    else if (rows == 2)
+      Form::template block<2, C>(vm, K, sm, tm, lds, buf, d, mn, out, first);
+    else if (rows == 3)
+      Form::template block<3, C>(vm, K, sm, tm, lds, buf, d, mn, out, first);
+    else
+      Form::template block<Form::kMaxRows, C>(vm, K, sm, tm, lds, buf, d, mn, out, first);
     m0 += rows;
   }
 }
 
-// All M rows (quantize_rows8's v, scale, sum) against one panel of `width` tiles of Q4 integer
-// records, into out (row stride ld), as int_panel.
-template <typename OutT>
-void int8_panel(const int8_t* v, const float* scale, const float* sum, const uint8_t* q, int64_t width,
-                const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
-  uint8_t* buf = kvreplay_scratch::thread_buffer<uint8_t, 5>(kQuads * kWide * 4);
+// All M rows (quantize_rows' or quantize_rows8's v, scale, sum) against one panel of `width`
+// tiles of integer records (q), into out (row stride ld): block by block, columns in groups of 24
+// (then 16 or 8).
+template <typename Form, typename OutT>
+void int_panel(const typename Form::X* v, const float* scale, const float* sum, const uint8_t* q, int64_t record,
+               int64_t width, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
+  auto* buf = kvreplay_scratch::thread_buffer<typename Form::W, 5>(Form::kBuffer);
   float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
   float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
   const int64_t cols = width * kLanes;
   for (int64_t kb = 0; kb < K / kQuantBlock; ++kb) {
-    widen_int8_block(q, width, kb, buf, scales, scales + kWide);
+    Form::widen(q, record, width, kb, buf, scales, scales + kWide);
     const int64_t k0 = kb * kQuantBlock;
     for (int64_t c0 = 0; c0 < cols;) {
       const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
-      const uint8_t* b = buf + c0 * 4;
+      const auto* b = buf + c0 * Form::kBytesAnOutput;
+      const float *d = scales + c0, *mn = scales + kWide + c0;
       switch (groups) {
-        case 3: int8_rows<3>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
-        case 2: int8_rows<2>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
-        default: int8_rows<1>(v + k0, scale + kb, sum + kb, K, b, scales + c0, scales + kWide + c0, sums + c0, M, kb == 0); break;
+        case 3: int_rows<Form, 3>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
+        case 2: int_rows<Form, 2>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
+        default: int_rows<Form, 1>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
       }
       c0 += groups * 8;
     }
   }
-  for (int64_t c = 0; c < cols; c += 8) {
-    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
-  }
+  store_sums(sums, bias, out, M, ld, cols);
 }
 #endif
 
@@ -1731,16 +1719,16 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   int16_t* xv = nullptr;
   int8_t* xv8 = nullptr;
   float *xscale = nullptr, *xsum = nullptr;
-  if (x8) {
-    xv8 = kvreplay_scratch::thread_buffer<int8_t, 4>(M * K);
+  if (ints) {
     xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
     xsum = xscale + M * (K / kQuantBlock);
-    quantize_rows8(xp, M, K, xv8, xscale, xsum);
-  } else if (ints) {
-    xv = kvreplay_scratch::thread_buffer<int16_t, 4>(M * K);
-    xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
-    xsum = xscale + M * (K / kQuantBlock);
-    quantize_rows(xp, M, K, xv, xscale, xsum);
+    if (x8) {
+      xv8 = kvreplay_scratch::thread_buffer<int8_t, 4>(M * K);
+      quantize_rows8(xp, M, K, xv8, xscale, xsum);
+    } else {
+      xv = kvreplay_scratch::thread_buffer<int16_t, 4>(M * K);
+      quantize_rows(xp, M, K, xv, xscale, xsum);
+    }
   } else {
     xf = kvreplay_scratch::thread_buffer<float, 4>(M * K);
     int64_t widened = 0;
@@ -1755,10 +1743,11 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
         const int64_t n0 = p * kPanelTiles * kLanes, width = std::min(kPanelTiles, tiles - p * kPanelTiles);
         auto* o = staged ? reinterpret_cast<decltype(op)>(local) : op + n0;
         if (x8)
-          int8_panel(xv8, xscale, xsum, records(p), width, bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
+          int_panel<Int8Form>(xv8, xscale, xsum, records(p), record, width, bp ? bp + n0 : nullptr, o, M,
+                              staged ? kPanelWidth : N, K);
         else if (ints)
-          int_panel(xv, xscale, xsum, records(p), record, width, bp ? bp + n0 : nullptr, o, M,
-                    staged ? kPanelWidth : N, K);
+          int_panel<Int16Form>(xv, xscale, xsum, records(p), record, width, bp ? bp + n0 : nullptr, o, M,
+                               staged ? kPanelWidth : N, K);
         else
           avx2_panel(xf, quant ? nullptr : wp + n0 * K, quant ? records(p) : nullptr, record, width,
                      bp ? bp + n0 : nullptr, o, M, staged ? kPanelWidth : N, K);
