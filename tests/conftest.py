@@ -6,8 +6,20 @@ import os
 import pytest
 import torch
 
-# 2 threads (this project's CI machine); KVREPLAY_TEST_THREADS=N for a bigger one (bench/gpu_check.sh).
-torch.set_num_threads(int(os.environ.get("KVREPLAY_TEST_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
+
+
+def _test_threads() -> int:
+    """Threads for this test process: KVREPLAY_TEST_THREADS=N (bench/gpu_check.sh), else up to 2
+    cores (this project's CI machine) shared among pytest-xdist's workers (`make test` runs two,
+    one thread each: most tests are short real-model runs whose Python and startup time then
+    overlap; tests that are about thread counts set theirs)."""
+    if os.environ.get("KVREPLAY_TEST_THREADS"):
+        return int(os.environ["KVREPLAY_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return max(1, min(2, os.cpu_count() or 1) // workers)
+
+
+torch.set_num_threads(_test_threads())
 
 
 @pytest.fixture(scope="session")

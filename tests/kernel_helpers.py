@@ -1,9 +1,11 @@
 """Shared by the tests of the compiled CPU kernels (kvreplay/engine/cpu_kernels.py)."""
+import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvreplay.engine import cpu_kernels
 
@@ -27,3 +29,15 @@ def run_with_switch(tmp_path, switch: str, source: str) -> subprocess.CompletedP
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and the kernels') thread count set to n inside: `make test`'s workers run one
+    thread each, so tests of what several threads share set the count they mean."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import built_or_skip
+from kernel_helpers import built_or_skip, torch_threads
 from test_quant_panels import _blocks
 
 from kvreplay.engine import cpu_kernels
@@ -75,6 +75,8 @@ def test_products_are_the_files_weights_times_x(ops, fmt, rows):
         assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
         _check(y, x, w, b)
         assert torch.equal(ops.panel_linear_float(x, packed, b), y.float())
+        with torch_threads(2):
+            assert torch.equal(ops.panel_linear(x, packed, b), y)
     # a row's result does not depend on the other rows
     assert torch.equal(ops.panel_linear(x[-1:], packed, None), ops.panel_linear(x, packed, None)[-1:])
 
@@ -150,6 +152,8 @@ def test_eight_bit_x_products(ops, fmt, rows):
         y = ops.panel_linear(x, packed, b)
         _check(y, _x8(x), w, b, rounded_share=0.97)
         assert torch.equal(ops.panel_linear_float(x, packed, b), y.float())
+        with torch_threads(2):
+            assert torch.equal(ops.panel_linear(x, packed, b), y)
         # and within the rounding of x from the exact product: half a step of 1/127 a block
         exact = x.double() @ w.T + (0 if b is None else b.double())
         largest = x.double().abs().view(rows, k // 32, 32).amax(-1, keepdim=True).expand(rows, k // 32, 32)

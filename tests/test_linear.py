@@ -3,7 +3,7 @@ oneDNN takes no bf16 products, the fp32 product rounded once; the panel kernel w
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import built_or_skip, run_with_switch
+from kernel_helpers import built_or_skip, run_with_switch, torch_threads
 
 from kvreplay.engine import cpu_kernels
 from kvreplay.models import linear
@@ -119,15 +119,13 @@ def test_panel_kernel_narrow_weights_and_thread_counts():
     for outputs in (16, 32, 48):
         weight = torch.randn(outputs, 64, generator=gen).bfloat16()
         proj = _panel_projection(weight)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with torch_threads(1):
             one = proj(x)
-        finally:
-            torch.set_num_threads(threads)
+        with torch_threads(2):
+            two = proj(x)
         exact = F.linear(x.float(), weight.float())
         assert ((one.float() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2 ** -7).all()
-        assert torch.equal(proj(x), one)
+        assert torch.equal(two, one)
 
 
 @pytest.mark.parametrize("outputs", [16, 32, 48, 112])
@@ -272,6 +270,8 @@ def test_panel_argmax_is_argmax_of_the_logits(rows):
         logits = proj.panel_linear_float(x, proj.panels, b)
         got = proj.panel_argmax(x, proj.panels, b)
         assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+        with torch_threads(2):  # the panels' parts claimed by two threads: the same answer
+            assert torch.equal(proj.panel_argmax(x, proj.panels, b), got)
     assert (proj.panel_argmax(x, proj.panels, bias) == 7).all()  # the first of the tied leaders
     assert (proj.panel_argmax(x, proj.panels, nan_bias) == 61).all()
     plain = torch.randn(rows, 64, generator=gen).bfloat16()
