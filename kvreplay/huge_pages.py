@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import sys
 
 import torch
+
+from kvreplay.switches import switch
 
 HUGE_PAGE = 2 << 20
 
 
 def enabled() -> bool:
-    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
-            and os.environ.get("KVREPLAY_HUGE_PAGES") != "0")
+    return switch("KVREPLAY_HUGE_PAGES") and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def _run(*args: str, input: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+def _run(*args: str, input: str | None = None, timeout: int = 180,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvreplay", *args], capture_output=True, text=True,
-                          input=input, timeout=timeout)
+                          input=input, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"], ["plan"], ["bench"]])
@@ -47,4 +49,15 @@ def test_bad_input_is_one_clear_line(args, message):
     result = _run(*args)
     assert result.returncode == 2
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name, value", [("KVREPLAY_HUGE_PAGES", "yes"), ("KVREPLAY_AMX_PANELS", "off"),
+                                         ("KVREPLAY_CPU_KERNELS", "maybe"), ("KVREPLAY_INT_PRODUCTS", "4")])
+def test_a_mistyped_environment_switch_is_one_clear_line(name, value):
+    """A switch the engine reads from the environment, set to a value it does not know: exit 2
+    with a line naming the variable (the kernels' own switches were taken as on whatever they held)."""
+    result = _run("generate", "hi", "--max-tokens", "2", env={name: value})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert name in result.stderr and repr(value) in result.stderr
     assert "Traceback" not in result.stderr

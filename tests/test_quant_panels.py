@@ -142,7 +142,7 @@ def test_projection_keeps_the_blocks_where_it_can(ops, monkeypatch):
     with pytest.raises(ValueError, match="KVREPLAY_QUANT_PANELS must be 0 or 1"):
         Projection(weight, quantized=blocks)
     monkeypatch.delenv("KVREPLAY_QUANT_PANELS")  # the default: blocks unless the CPU is AVX2-only
-    expected = "Q4_1" if cpu_kernels.has_avx512_bf16() or not cpu_kernels._cpu_flags() else "bf16"
+    expected = "Q4_1" if cpu_kernels.has_avx512_bf16() or not cpu_kernels.cpu_flags() else "bf16"
     assert Projection(weight, quantized=blocks).panel_format == expected
 
 

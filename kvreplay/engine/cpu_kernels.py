@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kvreplay.switches import check_kernel_switches
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -43,8 +45,17 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("KVREPLAY_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """KVREPLAY_CPU_KERNELS: unset, 1, true, yes or on builds and uses the kernels; 0, false, no or
+    off keeps the PyTorch path; anything else is a ValueError."""
+    value = os.environ.get("KVREPLAY_CPU_KERNELS", "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"KVREPLAY_CPU_KERNELS must be 1 or 0 (or true/false, yes/no, on/off), "
+                         f"got {os.environ['KVREPLAY_CPU_KERNELS']!r}")
+    return value in _ON
 
 
 def should_build() -> bool:
@@ -66,7 +77,7 @@ def need_block_mass() -> Any | None:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """This CPU's instruction-set flags (Linux's /proc/cpuinfo, read once; empty where unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -80,13 +91,13 @@ def _cpu_flags() -> frozenset[str]:
 
 def has_amx_bf16() -> bool:
     """Whether this CPU has AMX bf16 tiles (False where unknown)."""
-    return "amx_bf16" in _cpu_flags()
+    return "amx_bf16" in cpu_flags()
 
 
 def has_avx512_bf16() -> bool:
     """Whether this CPU has AVX512-BF16 pair dot products (False where unknown); without them the
     layer ops' panel kernel is the AVX2 one (fp32 FMAs on widened weights)."""
-    return "avx512_bf16" in _cpu_flags()
+    return "avx512_bf16" in cpu_flags()
 
 
 def prefill_attention(only_where_faster: bool = True) -> Any | None:
@@ -109,6 +120,7 @@ def layer_ops() -> Any | None:
 def _load(name: str) -> Any | None:
     if not enabled():
         return None
+    check_kernel_switches()  # the C++ reads them as "0" or on: a typo would pass silently there
     with _lock:
         if name not in _state:
             _state[name] = _build(name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreplay.engine.attention import AttentionMetadata, decode_padding
-from kvreplay.models.linear import env_switch
+from kvreplay.switches import switch
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ MIN_BLOCKS = 8  # the smallest table width a graph is captured for (blocks per r
 def cuda_graphs_enabled() -> bool:
     """KVREPLAY_CUDA_GRAPHS=0 runs every GPU decode step eagerly (for comparisons and
     debugging); 1 or unset: plain decode steps replay CUDA graphs."""
-    return env_switch("KVREPLAY_CUDA_GRAPHS")
+    return switch("KVREPLAY_CUDA_GRAPHS")
 
 
 def bucket(n: int, least: int = 1) -> int:

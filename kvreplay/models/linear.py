@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from kvreplay import huge_pages
 from kvreplay.engine import cpu_kernels
+from kvreplay.switches import switch
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +110,6 @@ class QuantizedWeight:
         return QuantizedWeight(parts[0].format, torch.cat([p.blocks for p in parts]))
 
 
-def env_switch(name: str) -> bool:
-    """An on/off switch in the environment: 1 or unset is on, 0 off, anything else a ValueError."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value != "0"
-
-
 def quant_panels_enabled() -> bool:
     """Whether GGUF block weights keep their blocks in the panel copy: KVREPLAY_QUANT_PANELS=1
     yes, 0 no (bf16 panels like any other weight). Unset: yes where the CPU has AVX512-BF16 (or
@@ -125,9 +118,9 @@ def quant_panels_enabled() -> bool:
     reading the bf16 weight: on a Zen 3 a decode step's products took
     20.7 against 13.6 ms at batch 1 and 76 against 61 ms at batch 32 (bench/machine_limits.py,
     docs/benchmarks.md), for 173 MB more memory."""
-    if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels._cpu_flags():
+    if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels.cpu_flags():
         return cpu_kernels.has_avx512_bf16()
-    return env_switch("KVREPLAY_QUANT_PANELS")
+    return switch("KVREPLAY_QUANT_PANELS")
 
 
 def int_products_bits() -> int:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from kvreplay.engine import cpu_kernels
 from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import Projection, QuantizedWeight, env_switch, onto_huge_pages, silu_pair_order
+from kvreplay.models.linear import Projection, QuantizedWeight, onto_huge_pages, silu_pair_order
+from kvreplay.switches import switch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,7 +38,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def fused_decode_enabled() -> bool:
     """KVREPLAY_FUSED_DECODE=0 runs decode steps through the Python layer code (for comparisons
     and debugging); 1 or unset: through decode_layer where it applies."""
-    return env_switch("KVREPLAY_FUSED_DECODE")
+    return switch("KVREPLAY_FUSED_DECODE")
 
 
 class LlamaModel:
