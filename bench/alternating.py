@@ -43,20 +43,24 @@ def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None
     """For each batch: one untimed warm-up, then --rounds rounds, each timing a full generation
     (prefill, then decode tokens/s as `kvreplay bench throughput` clocks kvreplay) under each of
     the two `settings` (label -> function that applies it) in turn; prints a table row of the
-    medians and their ratio. With `same_tokens`, the two settings must also give the same greedy
+    medians and their ratio, decode and then prefill (of --prompt-tokens a prompt). With `same_tokens`, the two settings must also give the same greedy
     tokens (returns 1 where they do not). The first setting is left applied."""
     first, second = settings
-    print(f"| batch | {first}, decode tok/s | {second}, decode tok/s | ratio |")
-    print("|---|---|---|---|")
+    print(f"| batch | {first}, decode tok/s | {second}, decode tok/s | ratio "
+          f"| {first}, prefill tok/s | {second}, prefill tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = _prompts(llm.tokenizer, batch, args.prompt_tokens)
         run_kvreplay(llm, prompts, 2)  # warm-up
         rates = {label: [] for label in settings}
+        prefills = {label: [] for label in settings}
         tokens = {}
         for _ in range(args.rounds):
             for label, apply in settings.items():
                 apply()
-                rates[label].append(run_kvreplay(llm, prompts, args.decode_tokens)[1])
+                prefill, decode = run_kvreplay(llm, prompts, args.decode_tokens)
+                rates[label].append(decode)
+                prefills[label].append(prefill)
                 if same_tokens:
                     tokens[label] = [o.token_ids for o in llm.generate(prompts[:2], _greedy(8))]
         settings[first]()
@@ -64,7 +68,8 @@ def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None
             print(f"batch {batch}: {first} and {second} gave different greedy tokens", file=sys.stderr)
             return 1
         a, b = statistics.median(rates[first]), statistics.median(rates[second])
-        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |", flush=True)
+        pa, pb = statistics.median(prefills[first]), statistics.median(prefills[second])
+        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {pa:.1f} | {pb:.1f} | {pa / pb:.2f}x |", flush=True)
     return 0
 
 

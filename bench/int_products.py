@@ -1,6 +1,7 @@
-"""Integer products (KVREPLAY_INT_PRODUCTS=1: the decode products read the GGUF file's blocks as
-integers, x as 16-bit integers) against the bf16 panels (the AVX2 default), side by side in one
-process: decode speed, and fidelity to the fp32 model (the exactness reference) on real text.
+"""Integer products (the AVX2 kernel's default, KVREPLAY_INT_PRODUCTS=1: the products read the GGUF
+file's blocks as integers, x as 16-bit integers) against the bf16 panels (KVREPLAY_INT_PRODUCTS=0),
+side by side in one process: decode and prefill speed, and fidelity to the fp32 model (the
+exactness reference) on real text.
 
 Usage: python bench/int_products.py [--x-bits 16|8] [--batches 1,32] [--prompt-tokens 128]
            [--decode-tokens 32] [--rounds 4] [--threads 2] [--text-tokens 1024] [--skip-speed]

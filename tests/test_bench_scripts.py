@@ -28,9 +28,10 @@ def test_side_by_side_bench_runs(script, labels):
     script, *options = script.split()
     result = _run(script, *options, "--batches", "2", "--rounds", "1", "--decode-tokens", "3", "--prompt-tokens", "16")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"| batch | {labels[0]}, decode tok/s | {labels[1]}, decode tok/s | ratio |" in result.stdout
+    assert f"| batch | {labels[0]}, decode tok/s | {labels[1]}, decode tok/s | ratio " \
+           f"| {labels[0]}, prefill tok/s | {labels[1]}, prefill tok/s | ratio |" in result.stdout
     row = [line for line in result.stdout.splitlines() if line.startswith("| 2 |")]
-    assert len(row) == 1 and row[0].rstrip().endswith("x |")
+    assert len(row) == 1 and row[0].count("x |") == 2, result.stdout
 
 
 @pytest.mark.parametrize("script", ["quant_panels.py", "fused_decode.py", "int_products.py"])

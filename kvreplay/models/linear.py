@@ -22,16 +22,18 @@ instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, again
 kernel expands them to bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the
 same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of the bytes a
 decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
-With KVREPLAY_INT_PRODUCTS=1 (off by default; AVX2 builds of the kernel, `has_int_products`) the
-blocks are kept for integer products instead: x goes in as 16-bit integers per 32-k block, and
+Where the kernel is its AVX2 build (`has_int_products`: AVX2 only, or AVX-512 without BF16) the
+blocks are kept for integer products instead, by default (KVREPLAY_INT_PRODUCTS=0 keeps the bf16
+panels, as does setting KVREPLAY_QUANT_PANELS): x goes in as 16-bit integers per 32-k block, and
 each output is the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights'
 bf16 roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70%
-for the bf16 panels, in 6 bits a weight. On a Zen 3: 1.21x decode at batch 1 (a third of the
-bytes), 0.99x at batch 32 (docs/benchmarks.md), hence off by default. KVREPLAY_INT_PRODUCTS=8
+for the bf16 panels, in 6 bits a weight (112 against 269 MB for the default model), top-1
+agreement with the fp32 model 98.3% against 98.0%. On a Zen 3: 1.21x decode at batch 1 (a third
+of the bytes), 0.99x at batch 32, prefill alike (docs/benchmarks.md). KVREPLAY_INT_PRODUCTS=8
 rounds x to 8 bits per block for the Q4 blocks instead (llama.cpp's arithmetic for them; the
 Q8_0 LM head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the
 bf16 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x
-decode at batch 1 and 1.18x at batch 32 against the bf16 panels. Off by default too.
+decode at batch 1 and 1.18x at batch 32 against the bf16 panels. Off by default (lossy).
 On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
 a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
 result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
@@ -123,14 +125,17 @@ def quant_panels_enabled() -> bool:
     return switch("KVREPLAY_QUANT_PANELS")
 
 
-def int_products_bits() -> int:
+def int_products_bits(available: bool = True) -> int:
     """The width x goes into integer products at, 0 for none: KVREPLAY_INT_PRODUCTS=1 (or 16):
     16 bits; 8: 8 bits for Q4_0 / Q4_1 blocks (lossy: x rounded to 1/127 of its block's largest,
-    as llama.cpp does; Q8_0 blocks keep 16 bits); 0 or unset: no integer products."""
+    as llama.cpp does; Q8_0 blocks keep 16 bits); 0: none. Unset: 16 where the kernel has them
+    (`available`: its AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own."""
     value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
     if value not in ("", "0", "1", "16", "8"):
         raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
-    return {"": 0, "0": 0, "1": 16, "16": 16, "8": 8}[value]
+    if value == "":
+        return 16 if available and os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" else 0
+    return {"0": 0, "1": 16, "16": 16, "8": 8}[value]
 
 
 @functools.cache
@@ -258,9 +263,10 @@ class Projection:
                 quantized = None if quantized is None else QuantizedWeight(quantized.format,
                                                                            quantized.blocks[panel_order])
                 self.panel_bias = None if bias is None else bias[panel_order].contiguous()
-            bits = int_products_bits()
+            available = ops.has_int_products()
+            bits = int_products_bits(available)
             integer = quantized is not None and quantized.format in QUANT_FORMATS and bits > 0
-            if integer and not ops.has_int_products():
+            if integer and not available:
                 _warn_no_int_products()
                 integer = False
             if quantized is not None and quantized.format in QUANT_FORMATS and (integer or quant_panels_enabled()):
