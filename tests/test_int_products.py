@@ -61,7 +61,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 32, 33])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 32, 33, 130])  # 130: 64-row passes and 2
 def test_products_are_the_files_weights_times_x(ops, fmt, rows):
     n, k = 112, 192  # 7 tiles: panels of 3, 3 and 1; 6 blocks along k
     raw = _blocks(fmt, n, k, seed=rows)
@@ -137,7 +137,7 @@ def _x8(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17, 32, 33, 130])
 def test_eight_bit_x_products(ops, fmt, rows):
     """x at 8 bits (lossy): the outputs are the products of the file's weights with x rounded to
     1/127 of its block's largest, rounded once to bf16 (most of them exactly that)."""

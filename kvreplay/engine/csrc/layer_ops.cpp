@@ -1313,32 +1313,43 @@ void int_rows(const typename Form::X* v, const float* scale, const float* sum, i
   }
 }
 
+// Rows an int_panel pass takes: their running sums (192 bytes a row) stay in L1 while every
+// block of the panel folds into them. With all of a prefill chunk's rows at once (2,048), the
+// sums went through L2 once a 32-k block: prefill ran at 0.81x the bf16 panels (bench/int_products.py).
+constexpr int64_t kIntRowChunk = 64;
+
 // All M rows (quantize_rows' or quantize_rows8's v, scale, sum) against one panel of `width`
-// tiles of integer records (q), into out (row stride ld): block by block, columns in groups of 24
-// (then 16 or 8).
+// tiles of integer records (q), into out (row stride ld): kIntRowChunk rows at a time, block by
+// block, columns in groups of 24 (then 16 or 8). (Each chunk widens the blocks again: a small
+// cost beside 64 rows of products.)
 template <typename Form, typename OutT>
 void int_panel(const typename Form::X* v, const float* scale, const float* sum, const uint8_t* q, int64_t record,
                int64_t width, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t K) {
   auto* buf = kvreplay_scratch::thread_buffer<typename Form::W, 5>(Form::kBuffer);
   float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
-  float* sums = kvreplay_scratch::thread_buffer<float, 3>(M * kWide);
-  const int64_t cols = width * kLanes;
-  for (int64_t kb = 0; kb < K / kQuantBlock; ++kb) {
-    Form::widen(q, record, width, kb, buf, scales, scales + kWide);
-    const int64_t k0 = kb * kQuantBlock;
-    for (int64_t c0 = 0; c0 < cols;) {
-      const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
-      const auto* b = buf + c0 * Form::kBytesAnOutput;
-      const float *d = scales + c0, *mn = scales + kWide + c0;
-      switch (groups) {
-        case 3: int_rows<Form, 3>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
-        case 2: int_rows<Form, 2>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
-        default: int_rows<Form, 1>(v + k0, scale + kb, sum + kb, K, b, d, mn, sums + c0, M, kb == 0); break;
+  float* sums = kvreplay_scratch::thread_buffer<float, 3>(std::min(M, kIntRowChunk) * kWide);
+  const int64_t cols = width * kLanes, lds = K / kQuantBlock;
+  for (int64_t r0 = 0; r0 < M; r0 += kIntRowChunk) {
+    const int64_t rows = std::min(kIntRowChunk, M - r0);
+    const auto* vr = v + r0 * K;
+    const float *sr = scale + r0 * lds, *tr = sum + r0 * lds;
+    for (int64_t kb = 0; kb < lds; ++kb) {
+      Form::widen(q, record, width, kb, buf, scales, scales + kWide);
+      const int64_t k0 = kb * kQuantBlock;
+      for (int64_t c0 = 0; c0 < cols;) {
+        const int64_t groups = std::min<int64_t>(3, (cols - c0) / 8);
+        const auto* b = buf + c0 * Form::kBytesAnOutput;
+        const float *d = scales + c0, *mn = scales + kWide + c0;
+        switch (groups) {
+          case 3: int_rows<Form, 3>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
+          case 2: int_rows<Form, 2>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
+          default: int_rows<Form, 1>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
+        }
+        c0 += groups * 8;
       }
-      c0 += groups * 8;
     }
+    store_sums(sums, bias, out + r0 * ld, rows, ld, cols);
   }
-  store_sums(sums, bias, out, M, ld, cols);
 }
 #endif
 
