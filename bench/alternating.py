@@ -43,8 +43,9 @@ def compare(llm, args: argparse.Namespace, settings: dict[str, Callable[[], None
     """For each batch: one untimed warm-up, then --rounds rounds, each timing a full generation
     (prefill, then decode tokens/s as `kvreplay bench throughput` clocks kvreplay) under each of
     the two `settings` (label -> function that applies it) in turn; prints a table row of the
-    medians and their ratio, decode and then prefill (of --prompt-tokens a prompt). With `same_tokens`, the two settings must also give the same greedy
-    tokens (returns 1 where they do not). The first setting is left applied."""
+    medians and their ratio, decode and then prefill (of --prompt-tokens a prompt). With
+    `same_tokens`, the two settings must also give the same greedy tokens (returns 1 where they do
+    not). The first setting is left applied."""
     first, second = settings
     print(f"| batch | {first}, decode tok/s | {second}, decode tok/s | ratio "
           f"| {first}, prefill tok/s | {second}, prefill tok/s | ratio |")

@@ -18,6 +18,12 @@ def switch(name: str) -> bool:
     return value != "0"
 
 
+def is_set(name: str) -> bool:
+    """Whether `name` holds a value (not unset or blank): for switches whose unset state is a
+    default of its own (KVREPLAY_QUANT_PANELS: the CPU decides)."""
+    return os.environ.get(name, "").strip() != ""
+
+
 def check_kernel_switches() -> None:
     """A ValueError for a kernel switch set to anything but 0 or 1 (the kernels would take it as on)."""
     for name in KERNEL_SWITCHES:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from kvreplay import huge_pages
 from kvreplay.engine import cpu_kernels
-from kvreplay.switches import switch
+from kvreplay.switches import is_set, switch
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def quant_panels_enabled() -> bool:
     reading the bf16 weight: on a Zen 3 a decode step's products took
     20.7 against 13.6 ms at batch 1 and 76 against 61 ms at batch 32 (bench/machine_limits.py,
     docs/benchmarks.md), for 173 MB more memory."""
-    if os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" and cpu_kernels.cpu_flags():
+    if not is_set("KVREPLAY_QUANT_PANELS") and cpu_kernels.cpu_flags():
         return cpu_kernels.has_avx512_bf16()
     return switch("KVREPLAY_QUANT_PANELS")
 
@@ -134,7 +134,7 @@ def int_products_bits(available: bool = True) -> int:
     if value not in ("", "0", "1", "16", "8"):
         raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
     if value == "":
-        return 16 if available and os.environ.get("KVREPLAY_QUANT_PANELS", "").strip() == "" else 0
+        return 16 if available and not is_set("KVREPLAY_QUANT_PANELS") else 0
     return {"0": 0, "1": 16, "16": 16, "8": 8}[value]
 
 
