@@ -1,5 +1,5 @@
-"""Integer products (the AVX2 kernel's default, KVREPLAY_INT_PRODUCTS=1: the products read the GGUF
-file's blocks as integers, x as 16-bit integers) against the bf16 panels (KVREPLAY_INT_PRODUCTS=0),
+"""Integer products (the AVX2 kernel's: the products read the GGUF file's blocks as integers, x as
+16-bit integers here, KVREPLAY_INT_PRODUCTS=1) against the bf16 panels (KVREPLAY_INT_PRODUCTS=0),
 side by side in one process: decode and prefill speed, and fidelity to the fp32 model (the
 exactness reference) on real text.
 
@@ -7,10 +7,10 @@ Usage: python bench/int_products.py [--x-bits 16|8] [--batches 1,32] [--prompt-t
            [--decode-tokens 32] [--rounds 4] [--threads 2] [--text-tokens 1024] [--skip-speed]
            [--skip-quality]
 
---x-bits 8: x at 8 bits for the Q4 blocks (KVREPLAY_INT_PRODUCTS=8, lossy), 16 for the Q8_0 LM
-head. Speed: one bf16 engine loaded with integer records, its bf16 panels packed from the same
-projections' bf16 weights (moved onto 2 MiB pages as the loaded ones are); generations alternate
-between the two (bench/alternating.py).
+--x-bits 8: x at 8 bits for the Q4 blocks (KVREPLAY_INT_PRODUCTS=8, lossy; the engine's default
+on the AVX2 kernel), 16 for the Q8_0 LM head. Speed: one bf16 engine loaded with integer
+records, its bf16 panels packed from the same projections' bf16 weights (moved onto 2 MiB pages
+as the loaded ones are); generations alternate between the two (bench/alternating.py).
 Quality: the logits at every position of --text-tokens tokens of real text (the Python docs), in
 chunks of 512 through the paged cache, from the fp32 engine and from the bf16 engine with each
 form: top-1 agreement with fp32, mean and largest |logit difference|, and each one's perplexity.

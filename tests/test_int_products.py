@@ -14,7 +14,7 @@ from kernel_helpers import built_or_skip, torch_threads
 from test_quant_panels import _blocks
 
 from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import Projection, QuantizedWeight, silu_pair_order
+from kvreplay.models.linear import Projection, QuantizedWeight, int_products_bits, silu_pair_order
 
 INT_RECORD_BYTES = {"Q4_0": 384, "Q4_1": 384, "Q8_0": 576}
 
@@ -209,6 +209,19 @@ def test_projection_takes_integer_records_on_request(ops, monkeypatch):
     monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "yes")
     with pytest.raises(ValueError, match="KVREPLAY_INT_PRODUCTS must be 0, 1"):
         Projection(w.bfloat16(), quantized=blocks)
+
+
+def test_the_default_width_of_x(monkeypatch):
+    """Unset, x goes in at 8 bits where the kernel has integer products and at none where it has
+    not, or where KVREPLAY_QUANT_PANELS asks for a form of its own; the variable overrides both."""
+    monkeypatch.delenv("KVREPLAY_INT_PRODUCTS", raising=False)
+    monkeypatch.delenv("KVREPLAY_QUANT_PANELS", raising=False)
+    assert int_products_bits(True) == 8 and int_products_bits(False) == 0
+    monkeypatch.setenv("KVREPLAY_QUANT_PANELS", "0")
+    assert int_products_bits(True) == 0
+    for setting, bits in (("1", 16), ("16", 16), ("8", 8), ("0", 0), (" 8 ", 8)):
+        monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", setting)
+        assert int_products_bits(True) == bits, setting
 
 
 @pytest.mark.parametrize("setting,formats,least", [("1", {"Q4_1/int", "Q8_0/int"}, 0.96),

@@ -144,7 +144,7 @@ def test_projection_keeps_the_blocks_where_it_can(ops, monkeypatch):
     monkeypatch.delenv("KVREPLAY_QUANT_PANELS")  # the default: integer products on the AVX2 kernel,
     monkeypatch.delenv("KVREPLAY_INT_PRODUCTS", raising=False)  # else blocks unless the CPU is AVX2-only
     without = "Q4_1" if cpu_kernels.has_avx512_bf16() or not cpu_kernels.cpu_flags() else "bf16"
-    assert Projection(weight, quantized=blocks).panel_format == ("Q4_1/int" if ops.has_int_products() else without)
+    assert Projection(weight, quantized=blocks).panel_format == ("Q4_1/int8" if ops.has_int_products() else without)
     monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "0")
     assert Projection(weight, quantized=blocks).panel_format == without
 

@@ -24,16 +24,18 @@ same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of 
 decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
 Where the kernel is its AVX2 build (`has_int_products`: AVX2 only, or AVX-512 without BF16) the
 blocks are kept for integer products instead, by default (KVREPLAY_INT_PRODUCTS=0 keeps the bf16
-panels, as does setting KVREPLAY_QUANT_PANELS): x goes in as 16-bit integers per 32-k block, and
-each output is the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights'
-bf16 roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70%
-for the bf16 panels, in 6 bits a weight (112 against 269 MB for the default model), top-1
-agreement with the fp32 model 98.3% against 98.0%. On a Zen 3: 1.21x decode at batch 1 (a third
-of the bytes), 0.99x at batch 32, prefill alike (docs/benchmarks.md). KVREPLAY_INT_PRODUCTS=8
-rounds x to 8 bits per block for the Q4 blocks instead (llama.cpp's arithmetic for them; the
-Q8_0 LM head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the
-bf16 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x
-decode at batch 1 and 1.18x at batch 32 against the bf16 panels. Off by default (lossy).
+panels, as does setting KVREPLAY_QUANT_PANELS), at one of two widths of x (`int_products_bits`).
+Unset, or KVREPLAY_INT_PRODUCTS=8: for the Q4 blocks x is rounded to 8 bits per 32-k block, 1/127
+of its block's largest (llama.cpp's arithmetic for them, and vLLM's GGUF kernels'; the Q8_0 LM
+head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the bf16
+panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x decode at
+batch 1 and 1.18x at batch 32 against the bf16 panels: the width that reaches 5x llama.cpp's
+single stream at batch 32 there. KVREPLAY_INT_PRODUCTS=1 (or 16): x as 16-bit integers per 32-k
+block, each output the file's own weights times x (d * sum(q * x) + m * sum(x)), not the
+weights' bf16 roundings: 99.7% of outputs are the exact product correctly rounded to bf16,
+against 58-70% for the bf16 panels, top-1 agreement 98.3%; on a Zen 3 1.21x decode at batch 1,
+0.99x at batch 32, prefill alike. Either way 6 bits a weight (112 against 269 MB for the default
+model), and x rounded row by row (a row's products do not depend on the other rows).
 On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
 a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
 result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
@@ -126,15 +128,20 @@ def quant_panels_enabled() -> bool:
 
 
 def int_products_bits(available: bool = True) -> int:
-    """The width x goes into integer products at, 0 for none: KVREPLAY_INT_PRODUCTS=1 (or 16):
-    16 bits; 8: 8 bits for Q4_0 / Q4_1 blocks (lossy: x rounded to 1/127 of its block's largest,
-    as llama.cpp does; Q8_0 blocks keep 16 bits); 0: none. Unset: 16 where the kernel has them
-    (`available`: its AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own."""
+    """The width x goes into integer products at, 0 for none: KVREPLAY_INT_PRODUCTS=8: 8 bits
+    for Q4_0 / Q4_1 blocks (x rounded to 1/127 of its 32-k block's largest, as llama.cpp and
+    vLLM's GGUF kernels do; Q8_0 blocks keep 16 bits); 1 (or 16): 16 bits (every bf16 x within 2^7
+    of its block's largest exact); 0: none. Unset: 8 where the kernel has them (`available`: its
+    AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. 8 bits are the default
+    because only they reach 5x llama.cpp's single stream at batch 32 on an AVX2-only CPU, at a
+    measured cost (docs/benchmarks.md: perplexity 12.754 against 12.745 with 16 bits, top-1
+    agreement with the fp32 model 96.3% against 98.3%); x is rounded row by row, so a row's
+    products do not depend on the rest of its batch."""
     value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
     if value not in ("", "0", "1", "16", "8"):
         raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
     if value == "":
-        return 16 if available and not is_set("KVREPLAY_QUANT_PANELS") else 0
+        return 8 if available and not is_set("KVREPLAY_QUANT_PANELS") else 0
     return {"0": 0, "1": 16, "16": 16, "8": 8}[value]
 
 
