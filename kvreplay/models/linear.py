@@ -30,7 +30,7 @@ of its block's largest (llama.cpp's arithmetic for them, and vLLM's GGUF kernels
 head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the bf16
 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x decode at
 batch 1 and 1.18x at batch 32 against the bf16 panels: the width that comes near 5x llama.cpp's
-single stream at batch 32 there (met in 3 runs of 5, 4.62-5.98x). KVREPLAY_INT_PRODUCTS=1 (or
+single stream at batch 32 there (met in 4 runs of 6, 4.62-5.98x). KVREPLAY_INT_PRODUCTS=1 (or
 16): x as 16-bit integers per 32-k block, each output the file's own weights times x
 (d * sum(q * x) + m * sum(x)), not the weights' bf16 roundings: 99.7% of outputs are the exact
 product correctly rounded to bf16, against 58-70% for the bf16 panels, top-1 agreement 98.3%; on
@@ -135,7 +135,7 @@ def int_products_bits(available: bool = True) -> int:
     of its block's largest exact); 0: none. Unset: 8 where the kernel has them (`available`: its
     AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. 8 bits are the default
     because only they come near 5x llama.cpp's single stream at batch 32 on an AVX2-only CPU
-    (4.62-5.98x in five runs, 16 bits 3.56-4.33x), at a measured cost (docs/benchmarks.md:
+    (4.62-5.98x in six runs, 16 bits 3.56-4.33x), at a measured cost (docs/benchmarks.md:
     perplexity 12.754 against 12.745 with 16 bits, top-1 agreement with the fp32 model 96.3%
     against 98.3%); x is rounded row by row, so a row's products do not depend on the rest of
     its batch."""
