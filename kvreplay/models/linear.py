@@ -30,13 +30,13 @@ of its block's largest (llama.cpp's arithmetic for them, and vLLM's GGUF kernels
 head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the bf16
 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x decode at
 batch 1 and 1.18x at batch 32 against the bf16 panels: the width that comes near 5x llama.cpp's
-single stream at batch 32 there (met in 4 runs of 6, 4.62-5.98x). KVREPLAY_INT_PRODUCTS=1 (or
-16): x as 16-bit integers per 32-k block, each output the file's own weights times x
-(d * sum(q * x) + m * sum(x)), not the weights' bf16 roundings: 99.7% of outputs are the exact
-product correctly rounded to bf16, against 58-70% for the bf16 panels, top-1 agreement 98.3%; on
-a Zen 3 1.21x decode at batch 1, 0.99x at batch 32, prefill alike. Either way 6 bits a weight
-(112 against 269 MB for the default model), and x rounded row by row (a row's products do not
-depend on the other rows).
+single stream at batch 32 there (met in 4 runs of 6, 4.62-5.98x; 16-bit x 3.56-4.33x), the
+reason it is the default. KVREPLAY_INT_PRODUCTS=1 (or 16): x as 16-bit integers per 32-k block,
+each output the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights' bf16
+roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70% for
+the bf16 panels, top-1 agreement 98.3%, perplexity 12.745; on a Zen 3 1.21x decode at batch 1,
+0.99x at batch 32, prefill alike. Either way 6 bits a weight (112 against 269 MB for the
+default model), and x rounded row by row (a row's products do not depend on the other rows).
 On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
 a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
 result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
@@ -133,12 +133,8 @@ def int_products_bits(available: bool = True) -> int:
     for Q4_0 / Q4_1 blocks (x rounded to 1/127 of its 32-k block's largest, as llama.cpp and
     vLLM's GGUF kernels do; Q8_0 blocks keep 16 bits); 1 (or 16): 16 bits (every bf16 x within 2^7
     of its block's largest exact); 0: none. Unset: 8 where the kernel has them (`available`: its
-    AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. 8 bits are the default
-    because only they come near 5x llama.cpp's single stream at batch 32 on an AVX2-only CPU
-    (4.62-5.98x in six runs, 16 bits 3.56-4.33x), at a measured cost (docs/benchmarks.md:
-    perplexity 12.754 against 12.745 with 16 bits, top-1 agreement with the fp32 model 96.3%
-    against 98.3%); x is rounded row by row, so a row's products do not depend on the rest of
-    its batch."""
+    AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. Why 8 bits are the
+    default, and what they cost: the module docstring (figures in docs/benchmarks.md)."""
     value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
     if value not in ("", "0", "1", "16", "8"):
         raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
