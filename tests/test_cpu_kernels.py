@@ -125,6 +125,26 @@ def test_long_rows_split_into_chunks_and_merged(op, dtype, tol, block_size):
     assert (mass - want_mass).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_threads_or_batch(op, dtype):
+    """The threads claim chunks of (sequence, KV head) tasks as they finish (not fixed halves):
+    which thread takes a task, how many threads there are and which other rows share the call
+    never change a row's bits."""
+    lengths = [16 * (1 + i % 11) + i for i in range(40)]  # 120 tasks of unequal lengths
+    query, keys, values, tables, context, _ = _case(dtype, len(lengths), lengths, seed=9, num_blocks=256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(query, keys, values, tables, context, 0.125)[0]
+    finally:
+        torch.set_num_threads(threads)
+    both = op(query, keys, values, tables, context, 0.125)[0]
+    assert torch.equal(one, both)
+    for row in (0, 17, 39):
+        alone = op(query[row:row + 1], keys, values, tables[row:row + 1], context[row:row + 1], 0.125)[0]
+        assert torch.equal(alone, both[row:row + 1])
+
+
 def test_kernel_ignores_padding_blocks(op):
     # Rows reach only their own context: changing what padding entries point at changes nothing.
     query, keys, values, tables, context, _ = _case(torch.float32, 2, [5, 200])

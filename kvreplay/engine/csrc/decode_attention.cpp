@@ -12,10 +12,11 @@
 // query heads gives it, for the importance signal) are filled only when asked, else empty.
 //
 // Work is split over (sequence, KV head) pairs, a long row's pairs into chunks of 32 blocks
-// (merged by their log-sum-exps; see decode_rows); the G = Hq / Hkv query heads that share a KV
-// head are handled together: each value row is widened to fp32 once for all of them, and with
-// AVX512-BF16 the bf16 keys are never widened (pair dot products on the raw bf16 rows); with AVX2
-// only, the same block steps run on 8 lanes (keys and values widened in registers). On a CPU
+// (merged by their log-sum-exps; see decode_rows), which the threads claim a few at a time; the
+// G = Hq / Hkv query heads that share a KV head are handled together: each value row is widened
+// to fp32 once for all of them, and with AVX512-BF16 the bf16 keys are never widened (pair dot
+// products on the raw bf16 rows); with AVX2 only, the same block steps run on 8 lanes, bf16 keys
+// and values widened in registers once for all heads, in pair order (widen_pairs16). On a CPU
 // with AMX tiles, bf16 rows with 16-token blocks and a head size of 64 or 128 take their scores
 // (and at 64 their values too) from tile multiplies instead (below; KVREPLAY_AMX_ATTENTION=0
 // keeps the vector path): ~1.3x less time with the cache in L2, about the same from memory.
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -317,6 +319,120 @@ inline void block_values16(const float* probs, const T* buf, int64_t rows, int64
     else if (G - g == 1) block_values8_heads<D, 1>(probs + g * L, buf, rows, L, acc + g * D, d0);
   }
 }
+
+// bf16 rows in pair order: with AVX2 a bf16 widens to fp32 by a 16-bit shift, so one 32-byte
+// load of 16 values gives two fp32 vectors with two single-cycle operations, the even-indexed
+// values (shifted up) and the odd-indexed ones (the high halves, masked) -- against one
+// shuffle-load and one shift for every 8 values in load8. The query (and the values'
+// accumulators) are kept in that order instead: within each 16 dimensions, the 8 even ones
+// then the 8 odd ones (to_pair_order / from_pair_order). A key row is widened once for all G
+// query heads (scores for 4 keys x up to 3 heads in 12 registers), a value row once for up to
+// 3 heads as in block_values8_heads. Sums run over the dimensions in another order than
+// block_scores16's, so bf16 outputs may differ from it in the last bit; fp32 rows keep
+// block_scores16 / block_values16.
+constexpr bool kPairSteps = true;
+
+inline void widen_pairs16(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// n (a multiple of 16) fp32 values into pair order, in place; and back
+inline void to_pair_order(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + 8);  // values 0-7, 8-15
+    // shuffle_ps picks within 128-bit lanes: evens [0 2 8 10 | 4 6 12 14], then 0xD8 orders them
+    const __m256 ev = _mm256_shuffle_ps(a, b, 0x88), od = _mm256_shuffle_ps(a, b, 0xDD);
+    _mm256_storeu_ps(v + j, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
+    _mm256_storeu_ps(v + j + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+  }
+}
+inline void from_pair_order(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m256 ev = _mm256_loadu_ps(v + j), od = _mm256_loadu_ps(v + j + 8);
+    const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);  // [0-3 | 8-11], [4-7 | 12-15]
+    _mm256_storeu_ps(v + j, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(v + j + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+
+// lane r = the sum of the 8 lanes of p_r
+inline __m128 lane_sums4(__m256 p0, __m256 p1, __m256 p2, __m256 p3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// scores[g * L + r] = qp[g] . k[r] for NG (<= 3) heads (qp in pair order), the block's rows in
+// groups of 4 (rows past `rows` summed in their own lanes, never stored)
+template <int D, int NG>
+inline void pair_scores_heads(const float* qp, const c10::BFloat16* k, int64_t rows, int64_t L, float* scores) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    __m256 acc[4][NG];
+    for (int r = 0; r < 4; ++r)
+      for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int j = 0; j < D; j += 16)
+      for (int r = 0; r < 4; ++r) {
+        __m256 even, odd;
+        widen_pairs16(k + (r0 + r) * D + j, even, odd);
+        for (int g = 0; g < NG; ++g) {
+          acc[r][g] = _mm256_fmadd_ps(even, _mm256_loadu_ps(qp + g * D + j), acc[r][g]);
+          acc[r][g] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(qp + g * D + j + 8), acc[r][g]);
+        }
+      }
+    for (int g = 0; g < NG; ++g) {
+      const __m128 sums = lane_sums4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
+      float* out = scores + g * L + r0;
+      if (rows - r0 >= 4) {
+        _mm_storeu_ps(out, sums);
+      } else {
+        alignas(16) float lanes[4];
+        _mm_store_ps(lanes, sums);
+        for (int64_t r = 0; r < rows - r0; ++r) out[r] = lanes[r];
+      }
+    }
+  }
+}
+
+template <int D>
+inline void pair_scores16(const float* qp, const c10::BFloat16* k, int64_t rows, int64_t G, int64_t L, float* scores) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) pair_scores_heads<D, 3>(qp + g * D, k, rows, L, scores + g * L);
+  if (G - g == 2) pair_scores_heads<D, 2>(qp + g * D, k, rows, L, scores + g * L);
+  else if (G - g == 1) pair_scores_heads<D, 1>(qp + g * D, k, rows, L, scores + g * L);
+}
+
+// acc[g] (pair order) += sum_r p[g * L + r] * v[r] for NG (<= 3) heads, dimensions d0 .. d0 + 15
+// (6 sums, the 3 probabilities, a value row's two halves and the mask in registers: with 32
+// dimensions at a time GCC kept one of the 12 sums on the stack, a store and reload every row)
+template <int D, int NG>
+inline void pair_values_heads(const float* probs, const c10::BFloat16* v, int64_t rows, int64_t L, float* acc, int d0) {
+  __m256 a[NG][2];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
+  for (int64_t r = 0; r < rows; ++r) {  // only the context's rows: a stale value row may be NaN
+    __m256 even, odd;
+    widen_pairs16(v + r * D + d0, even, odd);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 p = _mm256_broadcast_ss(probs + g * L + r);
+      a[g][0] = _mm256_fmadd_ps(p, even, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(p, odd, a[g][1]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
+}
+
+template <int D>
+inline void pair_values16(const float* probs, const c10::BFloat16* v, int64_t rows, int64_t G, int64_t L, float* acc) {
+  static_assert(D % 16 == 0, "16 dimensions at a time");
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) pair_values_heads<D, 3>(probs + g * L, v, rows, L, acc + g * D, d0);
+    if (G - g == 2) pair_values_heads<D, 2>(probs + g * L, v, rows, L, acc + g * D, d0);
+    else if (G - g == 1) pair_values_heads<D, 1>(probs + g * L, v, rows, L, acc + g * D, d0);
+  }
+}
 #else
 constexpr bool kVectorBlocks = false;
 constexpr int64_t kPrefetchAhead = 8;
@@ -329,6 +445,15 @@ template <int D, typename T>
 inline void block_scores16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
 template <int D, typename T>
 inline void block_values16(const float*, const T*, int64_t, int64_t, int64_t, float*) {}
+#endif
+#if !defined(KVREPLAY_HAVE_AVX2) || defined(__AVX512F__)
+constexpr bool kPairSteps = false;  // (AVX2 builds only: AVX-512 widens 16 lanes a step already)
+inline void to_pair_order(float*, int64_t) {}
+inline void from_pair_order(float*, int64_t) {}
+template <int D>
+inline void pair_scores16(const float*, const c10::BFloat16*, int64_t, int64_t, int64_t, float*) {}
+template <int D>
+inline void pair_values16(const float*, const c10::BFloat16*, int64_t, int64_t, int64_t, float*) {}
 #endif
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__))
 constexpr bool kHaveBf16Dot = false;  // no bf16 pair dot products on this build
@@ -545,6 +670,9 @@ inline void store_rows(const float* acc, T* o, int64_t n) {
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     for (; i + 16 <= n; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i)));
+#elif defined(KVREPLAY_HAVE_AVX2) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)  // (store_rounded8 rounds as c10 does, NaN included)
+    for (; i + 8 <= n; i += 8) kvreplay_simd::store_rounded8(reinterpret_cast<uint16_t*>(o + i), _mm256_loadu_ps(acc + i));
 #endif
   for (; i < n; ++i) o[i] = static_cast<T>(acc[i]);
 }
@@ -568,6 +696,11 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
   const int64_t nblocks = (L + bs - 1) / bs;
   constexpr bool fast = kVectorBlocks && kLoads16<T> && FixedD > 0 && FixedD % 32 == 0;
   const bool blocks16 = fast && bs == 16;
+  // bf16 rows on AVX2: the query and the accumulators in pair order (see widen_pairs16)
+  constexpr bool pair_steps = fast && kPairSteps && std::is_same_v<T, c10::BFloat16>;
+  if constexpr (pair_steps) {
+    if (blocks16) to_pair_order(qf, G * D);
+  }
   // on_tiles: the caller set attention_tiles_config (bf16, D 64 or 128, G <= 16, 16-token blocks)
   if constexpr (kTilesTake<T, FixedD>) {
     if (on_tiles) load_query_tiles<FixedD>(reinterpret_cast<const c10::BFloat16*>(q), G);
@@ -597,6 +730,9 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
         prefetch(blk);
         if constexpr (kHaveBf16Dot && std::is_same_v<T, c10::BFloat16> && FixedD % 32 == 0)
           block_scores16_bf16<FixedD>(q, kh + table[blk] * bs * D, rows, G, L, scale, scores + blk * bs);
+        else if constexpr (pair_steps)
+          pair_scores16<FixedD>(qf, reinterpret_cast<const c10::BFloat16*>(kh + table[blk] * bs * D), rows, G, L,
+                                scores + blk * bs);
         else
           block_scores16<FixedD>(qf, kh + table[blk] * bs * D, rows, G, L, scores + blk * bs);
         continue;
@@ -654,7 +790,17 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
     const int64_t rows = std::min(bs, L - blk * bs);
     if constexpr (fast) {
       if (blocks16) {
-        block_values16<FixedD>(scores + blk * bs, vh + table[blk] * bs * D, rows, G, L, acc);
+        // the values two blocks on into L1 (the score pass only asked for them into L2): with
+        // scattered blocks, 30 layers x 32 rows x 144 tokens took 16 -> 10 ms with this and the
+        // pair steps (8.9 ms in the cache's order, where the hardware prefetcher follows)
+        if (blk == 0)
+          for (int64_t i = 0; i < std::min<int64_t>(2, nblocks); ++i) prefetch_to_l1(vh + table[i] * bs * D, bs * D);
+        if (blk + 2 < nblocks) prefetch_to_l1(vh + table[blk + 2] * bs * D, bs * D);
+        if constexpr (pair_steps)
+          pair_values16<FixedD>(scores + blk * bs, reinterpret_cast<const c10::BFloat16*>(vh + table[blk] * bs * D),
+                                rows, G, L, acc);
+        else
+          block_values16<FixedD>(scores + blk * bs, vh + table[blk] * bs * D, rows, G, L, acc);
         continue;
       }
     }
@@ -668,6 +814,9 @@ void attend_one(const T* __restrict q, const T* __restrict kh, const T* __restri
         for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
       }
     }
+  }
+  if constexpr (pair_steps) {
+    if (blocks16 && !valued) from_pair_order(acc, G * D);
   }
   if (o_fp32)  // a chunk of a split row: merged with the others' before rounding
     std::memcpy(o_fp32, acc, G * D * sizeof(float));
@@ -707,9 +856,13 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
   };
   const bool on_tiles = kTilesTake<T, FixedD> && bs == 16 &&
                         G <= 16 && amx_scores_permitted();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    if (on_tiles) attention_tiles_config();
-    float* qf = kvreplay_scratch::thread_buffer<float>(2 * G * D + G * longest + bs * D);
+  // The threads claim chunks of tasks one after another as they finish the last (about 8 a
+  // thread) rather than taking fixed halves: on a shared machine the threads do not run at one
+  // speed, and with fixed halves the faster one waits at the end of every layer's attention.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  const int64_t claim = std::max<int64_t>(1, tasks / (8 * threads));
+  std::atomic<int64_t> next_chunk{0};
+  auto run_tasks = [&](int64_t begin, int64_t end, float* qf) {
     float* acc = qf + G * D;
     float* scores = acc + G * D;
     float* buf = scores + G * longest;
@@ -737,6 +890,12 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
       }
       t = next;
     }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    if (on_tiles) attention_tiles_config();
+    float* qf = kvreplay_scratch::thread_buffer<float>(2 * G * D + G * longest + bs * D);
+    for (int64_t begin; (begin = next_chunk.fetch_add(claim)) < tasks;)
+      run_tasks(begin, std::min(tasks, begin + claim), qf);
     if (on_tiles) release_tiles();
   });
   if (!any_split) return;
