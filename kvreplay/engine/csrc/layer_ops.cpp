@@ -1290,14 +1290,27 @@ struct Int8Form {  // 8-bit x, Q4 records only (int8_block)
   template <int MB, int C, typename... Args> static void block(Args... args) { int8_block<MB, C>(args...); }
 };
 
-// All M rows over one widened block, C x 8 outputs (buf, d, mn at the first), in balanced blocks
-// of up to Form::kMaxRows rows (as panel_rows)
+// M rows in balanced blocks of up to `most` rows (as panel_rows): their sizes into sizes[],
+// their number returned (M <= kIntRowChunk)
+int64_t row_blocks(int64_t M, int64_t most, int8_t* sizes) {
+  const int64_t blocks = (M + most - 1) / most;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    sizes[b] = static_cast<int8_t>((M - m0) / (blocks - b));
+    m0 += sizes[b];
+  }
+  return blocks;
+}
+
+// All rows (blocks of sizes[0 .. blocks - 1] rows, from row_blocks) over one widened block, C x 8
+// outputs (buf, d, mn at the first). (The sizes come in worked out once a panel: a division per
+// block here was ~10% of this function's time at batch 32.)
 template <typename Form, int C>
 void int_rows(const typename Form::X* v, const float* scale, const float* sum, int64_t K,
-              const typename Form::W* buf, const float* d, const float* mn, float* sums, int64_t M, bool first) {
-  const int64_t blocks = (M + Form::kMaxRows - 1) / Form::kMaxRows, lds = K / kQuantBlock;
+              const typename Form::W* buf, const float* d, const float* mn, float* sums, const int8_t* sizes,
+              int64_t blocks, bool first) {
+  const int64_t lds = K / kQuantBlock;
   for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-    const int64_t rows = (M - m0) / (blocks - b);
+    const int64_t rows = sizes[b];
     const auto* vm = v + m0 * K;
     const float *sm = scale + m0 * lds, *tm = sum + m0 * lds;
     float* out = sums + m0 * kWide;
@@ -1329,8 +1342,9 @@ void int_panel(const typename Form::X* v, const float* scale, const float* sum, 
   float* scales = kvreplay_scratch::thread_buffer<float, 6>(2 * kWide);
   float* sums = kvreplay_scratch::thread_buffer<float, 3>(std::min(M, kIntRowChunk) * kWide);
   const int64_t cols = width * kLanes, lds = K / kQuantBlock;
+  int8_t sizes[kIntRowChunk];
   for (int64_t r0 = 0; r0 < M; r0 += kIntRowChunk) {
-    const int64_t rows = std::min(kIntRowChunk, M - r0);
+    const int64_t rows = std::min(kIntRowChunk, M - r0), blocks = row_blocks(rows, Form::kMaxRows, sizes);
     const auto* vr = v + r0 * K;
     const float *sr = scale + r0 * lds, *tr = sum + r0 * lds;
     for (int64_t kb = 0; kb < lds; ++kb) {
@@ -1341,9 +1355,9 @@ void int_panel(const typename Form::X* v, const float* scale, const float* sum, 
         const auto* b = buf + c0 * Form::kBytesAnOutput;
         const float *d = scales + c0, *mn = scales + kWide + c0;
         switch (groups) {
-          case 3: int_rows<Form, 3>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
-          case 2: int_rows<Form, 2>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
-          default: int_rows<Form, 1>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, rows, kb == 0); break;
+          case 3: int_rows<Form, 3>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, sizes, blocks, kb == 0); break;
+          case 2: int_rows<Form, 2>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, sizes, blocks, kb == 0); break;
+          default: int_rows<Form, 1>(vr + k0, sr + kb, tr + kb, K, b, d, mn, sums + c0, sizes, blocks, kb == 0); break;
         }
         c0 += groups * 8;
       }
@@ -1594,14 +1608,33 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
 // quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on neighbouring
 // panels. body may run on any thread, several times; chunks come in ascending order, not all
 // to one thread (so an argmax keeps one part a chunk).
-template <typename Body>
-void claim_panels(int64_t panels, Body&& body) {
+//
+// With jobs > 0, prep(0) .. prep(jobs - 1) first (x's rows quantized, a few rows a job), claimed
+// the same way, and no thread starts on the panels before every job is done. Inside the same
+// parallel region rather than before it: on the main thread alone that was ~15 us of a batch-32
+// product that the other thread spent waiting (a region of its own cost as much as it saved).
+// No thread can wait on a job nobody runs: a job is claimed only by a thread that then runs it.
+template <typename Prep, typename Body>
+void claim_panels(int64_t jobs, Prep&& prep, int64_t panels, Body&& body) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
   const int64_t chunk = std::max<int64_t>(1, panels / (8 * threads));
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next_job{0}, jobs_done{0}, next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t job; (job = next_job.fetch_add(1)) < jobs;) {
+      prep(job);
+      jobs_done.fetch_add(1, std::memory_order_release);
+    }
+    while (jobs_done.load(std::memory_order_acquire) < jobs) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    }
     for (int64_t begin; (begin = next.fetch_add(chunk)) < panels;) body(begin, std::min(panels, begin + chunk));
   });
+}
+template <typename Body>
+void claim_panels(int64_t panels, Body&& body) {
+  claim_panels(0, [](int64_t) {}, panels, std::forward<Body>(body));
 }
 
 // `out`: [M, N] (fp32 when widen, else bf16) to write into, or undefined for a new tensor.
@@ -1730,24 +1763,30 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& packed, const c1
   int16_t* xv = nullptr;
   int8_t* xv8 = nullptr;
   float *xscale = nullptr, *xsum = nullptr;
+  constexpr int64_t kQuantizeRows = 4;  // rows a quantizing job (claim_panels' prep)
+  const int64_t lds = K / kQuantBlock, quantize_jobs = ints ? (M + kQuantizeRows - 1) / kQuantizeRows : 0;
   if (ints) {
-    xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * (K / kQuantBlock));
-    xsum = xscale + M * (K / kQuantBlock);
-    if (x8) {
+    xscale = kvreplay_scratch::thread_buffer<float, 5>(2 * M * lds);
+    xsum = xscale + M * lds;
+    if (x8)
       xv8 = kvreplay_scratch::thread_buffer<int8_t, 4>(M * K);
-      quantize_rows8(xp, M, K, xv8, xscale, xsum);
-    } else {
+    else
       xv = kvreplay_scratch::thread_buffer<int16_t, 4>(M * K);
-      quantize_rows(xp, M, K, xv, xscale, xsum);
-    }
   } else {
     xf = kvreplay_scratch::thread_buffer<float, 4>(M * K);
     int64_t widened = 0;
     for (; widened + 8 <= M * K; widened += 8) _mm256_storeu_ps(xf + widened, widen8(xp + widened));
     for (; widened < M * K; ++widened) xf[widened] = f32(c10::BFloat16(xp[widened], c10::BFloat16::from_bits()));
   }
+  auto quantize = [&](int64_t job) {  // x's rows kQuantizeRows * job on, as integers and scales
+    const int64_t m0 = job * kQuantizeRows, rows = std::min(kQuantizeRows, M - m0);
+    if (x8)
+      quantize_rows8(xp + m0 * K, rows, K, xv8 + m0 * K, xscale + m0 * lds, xsum + m0 * lds);
+    else
+      quantize_rows(xp + m0 * K, rows, K, xv + m0 * K, xscale + m0 * lds, xsum + m0 * lds);
+  };
   auto run = [&](auto* op) {
-    claim_panels((tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
+    claim_panels(quantize_jobs, quantize, (tiles + kPanelTiles - 1) / kPanelTiles, [&](int64_t begin, int64_t end) {
       float* local = staged ? kvreplay_scratch::thread_buffer<float, 1>(M * kPanelWidth) : nullptr;
       RowArgmax part(argmax ? M : 0, begin);
       for (int64_t p = begin; p < end; ++p) {
