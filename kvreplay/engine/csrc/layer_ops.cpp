@@ -843,10 +843,13 @@ void avx2_row_pairs(const float* x, const uint16_t* w, const uint16_t* bias, Out
 // rounded once to bf16, into out (row stride ld): the end of every AVX2 panel kernel.
 template <typename OutT>
 void store_sums(const float* sums, const uint16_t* bias, OutT* out, int64_t M, int64_t ld, int64_t cols) {
-  for (int64_t c = 0; c < cols; c += 8) {
-    const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; ++m) store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
-  }
+  // row by row: a row's outputs are neighbours in `out` (column by column, every store went to
+  // another row's cache line, and the stores waited on them)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < cols; c += 8) {
+      const __m256 b = bias ? widen8(bias + c) : _mm256_setzero_ps();
+      store_rounded8(out + m * ld + c, _mm256_add_ps(_mm256_loadu_ps(sums + m * kWide + c), b));
+    }
 }
 
 // All M rows (x: [M][K] fp32) against one panel of `width` tiles (w or q, as widen_slice takes
@@ -1631,11 +1634,11 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
 #endif
 
 // body(begin, end) over [0, panels) in contiguous chunks that the threads claim one after
-// another as they finish the last, about 8 a thread, rather than one fixed half each: a step's
-// threads do not run at one speed on a shared machine (a Zen 3 VM, batch-32 decode: with fixed
-// halves the main thread's products took 26% longer than the worker's, which then spent a
-// quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on neighbouring
-// panels. body may run on any thread, several times; chunks come in ascending order, not all
+// another as they finish the last, about 8 a thread (then smaller), rather than one fixed half
+// each: a step's threads do not run at one speed on a shared machine (a Zen 3 VM, batch-32
+// decode: with fixed halves the main thread's products took 26% longer than the worker's, which
+// then spent a quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on
+// neighbouring panels. body may run on any thread, several times; chunks come in ascending order, not all
 // to one thread (so an argmax keeps one part a chunk).
 //
 // With jobs > 0, prep(0) .. prep(jobs - 1) first (x's rows quantized, a few rows a job), claimed
@@ -1658,7 +1661,16 @@ void claim_panels(int64_t jobs, Prep&& prep, int64_t panels, Body&& body) {
       _mm_pause();
 #endif
     }
-    for (int64_t begin; (begin = next.fetch_add(chunk)) < panels;) body(begin, std::min(panels, begin + chunk));
+    // chunks shrink towards the end (a quarter of what is left a thread, down to one panel), so
+    // that the threads finish together: with fixed chunks the last one (1/16 of a batch-32 gate/up
+    // product) was the other thread's wait
+    for (int64_t begin = next.load(std::memory_order_relaxed), take; begin < panels;) {
+      take = std::max<int64_t>(1, std::min(chunk, (panels - begin) / (4 * threads)));
+      if (next.compare_exchange_weak(begin, begin + take, std::memory_order_relaxed)) {
+        body(begin, std::min(panels, begin + take));
+        begin = next.load(std::memory_order_relaxed);
+      }
+    }
   });
 }
 template <typename Body>
