@@ -30,8 +30,9 @@ of its block's largest (llama.cpp's arithmetic for them, and vLLM's GGUF kernels
 head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the bf16
 panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x decode at
 batch 1 and 1.18x at batch 32 against the bf16 panels: the width that comes near 5x llama.cpp's
-single stream at batch 32 there (met in 4 runs of 6, 4.62-5.98x; 16-bit x 3.56-4.33x), the
-reason it is the default. KVREPLAY_INT_PRODUCTS=1 (or 16): x as 16-bit integers per 32-k block,
+single stream at batch 32 there (4.62-5.98x, met in 4 runs of 6; 5.21-5.52x in the 3 runs
+after the kernel work of the morning of 2026-12-02; 16-bit x 3.56-4.33x), the reason it is the
+default. KVREPLAY_INT_PRODUCTS=1 (or 16): x as 16-bit integers per 32-k block,
 each output the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights' bf16
 roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70% for
 the bf16 panels, top-1 agreement 98.3%, perplexity 12.745; on a Zen 3 1.21x decode at batch 1,
