@@ -1638,8 +1638,8 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
 // each: a step's threads do not run at one speed on a shared machine (a Zen 3 VM, batch-32
 // decode: with fixed halves the main thread's products took 26% longer than the worker's, which
 // then spent a quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on
-// neighbouring panels. body may run on any thread, several times; chunks come in ascending order, not all
-// to one thread (so an argmax keeps one part a chunk).
+// neighbouring panels. body may run on any thread, several times; chunks come in ascending
+// order, not all to one thread (so an argmax keeps one part a chunk).
 //
 // With jobs > 0, prep(0) .. prep(jobs - 1) first (x's rows quantized, a few rows a job), claimed
 // the same way, and no thread starts on the panels before every job is done. Inside the same
