@@ -31,7 +31,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
-#include <atomic>
 #include <limits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -856,12 +855,9 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
   };
   const bool on_tiles = kTilesTake<T, FixedD> && bs == 16 &&
                         G <= 16 && amx_scores_permitted();
-  // The threads claim chunks of tasks one after another as they finish the last (about 8 a
-  // thread) rather than taking fixed halves: on a shared machine the threads do not run at one
-  // speed, and with fixed halves the faster one waits at the end of every layer's attention.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  const int64_t claim = std::max<int64_t>(1, tasks / (8 * threads));
-  std::atomic<int64_t> next_chunk{0};
+  // the threads claim chunks of tasks as they finish the last (ChunkClaims): with fixed halves
+  // the faster thread waited at the end of every layer's attention
+  kvreplay_scratch::ChunkClaims claims(tasks, at::get_num_threads());
   auto run_tasks = [&](int64_t begin, int64_t end, float* qf) {
     float* acc = qf + G * D;
     float* scores = acc + G * D;
@@ -891,11 +887,10 @@ void decode_rows(const T* q, int64_t q_row, const T* kc, const T* vc, const int6
       t = next;
     }
   };
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
     if (on_tiles) attention_tiles_config();
     float* qf = kvreplay_scratch::thread_buffer<float>(2 * G * D + G * longest + bs * D);
-    for (int64_t begin; (begin = next_chunk.fetch_add(claim)) < tasks;)
-      run_tasks(begin, std::min(tasks, begin + claim), qf);
+    claims.run([&](int64_t begin, int64_t end) { run_tasks(begin, end, qf); });
     if (on_tiles) release_tiles();
   });
   if (!any_split) return;

@@ -1633,25 +1633,20 @@ void silu_panel(const uint16_t* stage, int64_t M, int64_t width, uint16_t* out, 
 }
 #endif
 
-// body(begin, end) over [0, panels) in contiguous chunks that the threads claim one after
-// another as they finish the last, about 8 a thread (then smaller), rather than one fixed half
-// each: a step's threads do not run at one speed on a shared machine (a Zen 3 VM, batch-32
-// decode: with fixed halves the main thread's products took 26% longer than the worker's, which
-// then spent a quarter of its time waiting; docs/benchmarks.md), and a chunk keeps a thread on
-// neighbouring panels. body may run on any thread, several times; chunks come in ascending
-// order, not all to one thread (so an argmax keeps one part a chunk).
+// body(begin, end) over [0, panels) in chunks the threads claim (kvreplay_scratch::ChunkClaims).
+// body may run on any thread, several times; chunks come in ascending order, not all to one
+// thread (so an argmax keeps one part a chunk).
 //
 // With jobs > 0, prep(0) .. prep(jobs - 1) first (x's rows quantized, a few rows a job), claimed
-// the same way, and no thread starts on the panels before every job is done. Inside the same
+// one at a time, and no thread starts on the panels before every job is done. Inside the same
 // parallel region rather than before it: on the main thread alone that was ~15 us of a batch-32
 // product that the other thread spent waiting (a region of its own cost as much as it saved).
 // No thread can wait on a job nobody runs: a job is claimed only by a thread that then runs it.
 template <typename Prep, typename Body>
 void claim_panels(int64_t jobs, Prep&& prep, int64_t panels, Body&& body) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  const int64_t chunk = std::max<int64_t>(1, panels / (8 * threads));
-  std::atomic<int64_t> next_job{0}, jobs_done{0}, next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  kvreplay_scratch::ChunkClaims claims(panels, at::get_num_threads());
+  std::atomic<int64_t> next_job{0}, jobs_done{0};
+  at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
     for (int64_t job; (job = next_job.fetch_add(1)) < jobs;) {
       prep(job);
       jobs_done.fetch_add(1, std::memory_order_release);
@@ -1661,16 +1656,7 @@ void claim_panels(int64_t jobs, Prep&& prep, int64_t panels, Body&& body) {
       _mm_pause();
 #endif
     }
-    // chunks shrink towards the end (a quarter of what is left a thread, down to one panel), so
-    // that the threads finish together: with fixed chunks the last one (1/16 of a batch-32 gate/up
-    // product) was the other thread's wait
-    for (int64_t begin = next.load(std::memory_order_relaxed), take; begin < panels;) {
-      take = std::max<int64_t>(1, std::min(chunk, (panels - begin) / (4 * threads)));
-      if (next.compare_exchange_weak(begin, begin + take, std::memory_order_relaxed)) {
-        body(begin, std::min(panels, begin + take));
-        begin = next.load(std::memory_order_relaxed);
-      }
-    }
+    claims.run(body);
   });
 }
 template <typename Body>

@@ -1,6 +1,8 @@
 // SIMD helpers shared by the CPU kernels (decode_attention.cpp, layer_ops.cpp), AVX-512 (and a
-// few on AVX2 for CPUs without it), and the per-thread scratch buffers both use.
+// few on AVX2 for CPUs without it), and the per-thread scratch buffers and work claiming both use.
 #pragma once
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -16,6 +18,35 @@ inline T* thread_buffer(int64_t n) {
   if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
   return buffer.data();
 }
+
+// Chunks of [0, n) that a parallel region's threads claim one after another as they finish the
+// last, rather than one fixed share each: a step's threads do not run at one speed on a shared
+// machine (a Zen 3 VM, batch-32 decode: with fixed halves one thread's products took 26% longer
+// than the other's, which then spent a quarter of its time waiting; docs/benchmarks.md).
+// About 8 chunks a thread, then a quarter of what is left a thread once that is smaller, down
+// to one, so that the threads finish together (with fixed chunks the last one, 1/16 of a
+// batch-32 gate/up product, was the other thread's wait). Chunks are contiguous and handed out
+// in ascending order; each thread of the region calls run(body), body(begin, end) a chunk.
+class ChunkClaims {
+ public:
+  ChunkClaims(int64_t n, int64_t threads)
+      : n_(n), threads_(std::max<int64_t>(1, std::min(threads, n))), chunk_(std::max<int64_t>(1, n / (8 * threads_))) {}
+  int64_t threads() const { return threads_; }  // the most threads worth starting
+  template <typename Body>
+  void run(Body&& body) {
+    for (int64_t begin = next_.load(std::memory_order_relaxed), take; begin < n_;) {
+      take = std::max<int64_t>(1, std::min(chunk_, (n_ - begin) / (4 * threads_)));
+      if (next_.compare_exchange_weak(begin, begin + take, std::memory_order_relaxed)) {
+        body(begin, std::min(n_, begin + take));
+        begin = next_.load(std::memory_order_relaxed);
+      }
+    }
+  }
+
+ private:
+  const int64_t n_, threads_, chunk_;
+  std::atomic<int64_t> next_{0};
+};
 }  // namespace kvreplay_scratch
 
 namespace kvreplay_simd {
