@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(args) -> int:
     import torch
 
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     torch.set_num_threads(args.threads)
     op = cpu_kernels.decode_attention()
     if op is None:

@@ -32,8 +32,8 @@ CHUNK = 512
 
 def _logits(model, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits at every position, prefilled CHUNK tokens at a time through a fresh cache."""
-    from kvreplay.engine.attention import AttentionMetadata, PrefillSlice
-    from kvreplay.engine.kv_manager import KVManager
+    from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
+    from kvreplay.kv import KVManager
     cfg, block_size = model.config, 16
     num_blocks = -(-len(token_ids) // block_size)
     kv = KVManager(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     if args.text_tokens < 2:
         print("--text-tokens must be at least 2", file=sys.stderr)
         return 2
-    from kvreplay.engine import cpu_kernels
-    from kvreplay.models.linear import onto_huge_pages
+    from kvreplay.kernels import cpu_kernels
+    from kvreplay.layers.linear import onto_huge_pages
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear() or not ops.has_int_products():
         print("this build of the panel kernel has no integer products (they run on its AVX2 build)")

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
           f"{read_bandwidth / 1e9:.1f} GB/s")
     print(f"decode-step weights: {weight_params / 1e6:.1f} M parameters = {weight_bytes / 1e6:.0f} MB")
     # Every layer gets its own weights, as in the model: they stream from memory, not from cache.
-    from kvreplay.models.linear import Projection, QuantizedWeight
+    from kvreplay.layers.linear import Projection, QuantizedWeight
     # (weight, input width) in model order; the LM head last
     plain = [(torch.randn(o, i, dtype=dtype), i) for _ in range(cfg.num_layers) for o, i in shapes]
     plain.append((torch.randn(cfg.vocab_size, hidden, dtype=dtype), hidden))

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     kernel = cpu_kernels.prefill_attention(only_where_faster=False)
     if kernel is None:
         print("no compiled prefill kernel here (no toolchain, KVREPLAY_CPU_KERNELS=0 or no AVX512-BF16)")

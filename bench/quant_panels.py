@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = parse_args(__doc__.split("\n\n")[0], argv)
     # the blocks even where they are not the default (an AVX2-only CPU: bf16 panels there)
     os.environ.setdefault("KVREPLAY_QUANT_PANELS", "1")
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     llm = bf16_engine()
     model = llm.engine.runner.model
     projections = [model.lm_head] + [layer[name] for layer in model.layers

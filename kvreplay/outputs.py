@@ -1,9 +1,26 @@
 """What generation returns: one RequestOutput per prompt, one CompletionOutput per branch."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from kvreplay.engine.sequence import RequestStats
+
+@dataclass
+class RequestStats:
+    """The counters of SPEC §5, per request; zero where a policy does not act."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    dropped_tokens: int = 0
+    replays: int = 0
+    replayed_tokens: int = 0
+    cold_blocks: int = 0
+    approx_tokens: int = 0
+    pauses: int = 0
+    replay_mismatches: int = 0
+    preemptions: int = 0  # pauses that kept nothing (vLLM-style recompute)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass

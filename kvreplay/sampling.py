@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvreplay.engine import cpu_kernels
+from kvreplay.kernels import cpu_kernels
 
 MAX_LOGPROBS = 20
 

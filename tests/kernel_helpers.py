@@ -1,4 +1,4 @@
-"""Shared by the tests of the compiled CPU kernels (kvreplay/engine/cpu_kernels.py)."""
+"""Shared by the tests of the compiled CPU kernels (kvreplay/kernels/cpu_kernels.py)."""
 import contextlib
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kvreplay.engine import cpu_kernels
+from kvreplay.kernels import cpu_kernels
 
 
 def built_or_skip(built, what: str):

@@ -21,7 +21,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
                                            ("fused_decode.py --compare stack", ("decode_layers", "decode_layer each")),
                                            ("fused_decode.py --compare greedy", ("argmax head", "logits"))])
 def test_side_by_side_bench_runs(script, labels):
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear():
         pytest.skip("no panel kernel here: neither bench applies")
@@ -41,7 +41,7 @@ def test_side_by_side_bench_rejects_bad_arguments(script):
 
 
 def test_int_products_bench_runs_speed_and_quality():
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     ops = cpu_kernels.layer_ops()
     if ops is None or not ops.has_panel_linear() or not ops.has_int_products():
         pytest.skip("no integer products in this build of the panel kernel")
@@ -125,7 +125,7 @@ def test_decode_steps_bench_rejects_bad_arguments(args, message):
 
 
 def test_attention_tiles_bench_times_both_kernels():
-    from kvreplay.engine import cpu_kernels
+    from kvreplay.kernels import cpu_kernels
     if cpu_kernels.decode_attention() is None:
         pytest.skip("no compiled decode attention here")
     result = _run("attention_tiles.py", "--batch", "2", "--context", "40", "--layers", "2", "--rounds", "2",

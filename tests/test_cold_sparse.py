@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvreplay import LLM, SamplingParams
-from kvreplay.engine.attention import ColdAttention, _cold_blocks
+from kvreplay.layers.attention import ColdAttention, _cold_blocks
 from kvreplay.kv.cold_pool import ColdPool
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)

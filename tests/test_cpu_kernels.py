@@ -3,8 +3,8 @@ import pytest
 import torch
 from kernel_helpers import built_or_skip, run_with_switch
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.engine.attention import AttentionMetadata, _decode_attention
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers.attention import AttentionMetadata, _decode_attention
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,7 @@ def test_amx_tiles_agree_with_the_vector_kernel(op, tmp_path):
         tmp_path, "KVREPLAY_AMX_ATTENTION",
         "import torch\n"
         "from test_cpu_kernels import _case\n"
-        "from kvreplay.engine import cpu_kernels\n"
+        "from kvreplay.kernels import cpu_kernels\n"
         "op = cpu_kernels.decode_attention()\n"
         "assert not torch.ops.kvreplay_cpu.has_amx_attention()\n"
         f"outs = [op(*_case(torch.bfloat16, {len(lengths)}, {lengths!r}, head_dim=d, group=g, num_kv=2,\n"

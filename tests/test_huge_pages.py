@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvreplay import huge_pages
+from kvreplay.kernels import huge_pages
 from kvreplay.kv.manager import KVManager
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -71,7 +71,7 @@ def test_switched_off_by_environment(fresh):
 def test_panel_copies_move_into_one_buffer_unchanged(fresh):
     """onto_huge_pages: each projection's panels become a view of one buffer (64-byte aligned),
     with the same shape, dtype and bytes, and the products give the same bits."""
-    from kvreplay.models.linear import Projection, onto_huge_pages
+    from kvreplay.layers.linear import Projection, onto_huge_pages
     gen = torch.Generator().manual_seed(0)
     projections = [Projection((torch.randn(n, 64, generator=gen) * 0.1).bfloat16()) for n in (32, 48, 112)]
     if any(p.panels is None for p in projections):

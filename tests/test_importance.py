@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvreplay import LLM, SamplingParams
-from kvreplay.engine.attention import AttentionMetadata, ColdAttention, _observe_decode
+from kvreplay.layers.attention import AttentionMetadata, ColdAttention, _observe_decode
 from kvreplay.engine.scheduler import Scheduler
 from kvreplay.engine.sequence import Sequence
 from kvreplay.kv.importance import BlockImportance, block_mass

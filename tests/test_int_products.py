@@ -13,8 +13,8 @@ import torch
 from kernel_helpers import built_or_skip, torch_threads
 from test_quant_panels import _blocks
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import Projection, QuantizedWeight, int_products_bits, silu_pair_order
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers.linear import Projection, QuantizedWeight, int_products_bits, silu_pair_order
 
 INT_RECORD_BYTES = {"Q4_0": 384, "Q4_1": 384, "Q8_0": 576}
 

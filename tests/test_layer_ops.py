@@ -3,7 +3,7 @@ import pytest
 import torch
 from kernel_helpers import built_or_skip
 
-from kvreplay.engine import cpu_kernels
+from kvreplay.kernels import cpu_kernels
 from kvreplay.models.llama import add_rms_norm, rotate_half
 
 
@@ -416,7 +416,7 @@ def test_decode_layers_hand_on_every_layers_block_mass(ops):
 
 
 def test_need_probe_skips_only_the_layers_it_does_not_read():
-    from kvreplay.engine.attention import NeedProbe
+    from kvreplay.layers.attention import NeedProbe
     probe = NeedProbe(rows=torch.zeros(0), slot_table=torch.zeros(0), valid=torch.zeros(0), key_index=None,
                       top_blocks=1, layers=frozenset({1}))
     assert probe.skip_layer() and probe.layer == 1

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import built_or_skip, run_with_switch, torch_threads
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.models import linear
-from kvreplay.models.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, PANEL_ROWS_ANY,
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers import linear
+from kvreplay.layers.linear import (PANEL_ROWS, PANEL_ROWS_AMX, PANEL_ROWS_AMX_ONEDNN_ONLY, PANEL_ROWS_ANY,
                                     Projection, can_pack, machine_panel_rows, onednn_bf16_products, silu_pair_order)
 
 
@@ -296,7 +296,7 @@ def test_panel_argmax_on_the_vector_kernel(tmp_path):
         "import torch\n"
         "from test_linear import _argmax_cases\n"
         "from test_quant_panels import _blocks\n"
-        "from kvreplay.engine import cpu_kernels\n"
+        "from kvreplay.kernels import cpu_kernels\n"
         "ops = cpu_kernels.layer_ops()\n"
         "assert not ops.has_amx_panels()\n"
         "gen = torch.Generator().manual_seed(9)\n"
@@ -374,7 +374,7 @@ def test_panel_silu_mul_on_quantized_blocks_and_the_vector_kernel(tmp_path):
         tmp_path, "KVREPLAY_AMX_PANELS",
         "import torch\n"
         "from test_linear import _check_panel_silu\n"
-        "from kvreplay.engine import cpu_kernels\n"
+        "from kvreplay.kernels import cpu_kernels\n"
         "ops = cpu_kernels.layer_ops()\n"
         "assert not ops.has_amx_panels()\n"
         "_check_panel_silu(ops, torch.Generator().manual_seed(5), [('bf16', ops.pack_panels)])\n"

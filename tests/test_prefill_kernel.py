@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import built_or_skip
 
-from kvreplay.engine import cpu_kernels
+from kvreplay.kernels import cpu_kernels
 
 
 @pytest.fixture(scope="module")

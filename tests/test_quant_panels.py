@@ -1,5 +1,5 @@
 """Quantized panels: the decode products read a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and expand them to
-the very bf16 weights the bf16 panels hold (kvreplay/engine/csrc/layer_ops.cpp
+the very bf16 weights the bf16 panels hold (kvreplay/kernels/csrc/layer_ops.cpp
 pack_quant_panels), so every product is bit-identical to the bf16 panels'."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_helpers import built_or_skip, run_with_switch
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.models.linear import Projection, QuantizedWeight
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers.linear import Projection, QuantizedWeight
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 RECORD_BYTES = {"Q4_0": 320, "Q4_1": 320, "Q8_0": 544}
@@ -89,7 +89,7 @@ def test_vector_kernel_reads_blocks_too(ops, tmp_path):
         tmp_path, "KVREPLAY_AMX_PANELS",
         "import torch\n"
         "from test_quant_panels import _blocks, _bf16_weight\n"
-        "from kvreplay.engine import cpu_kernels\n"
+        "from kvreplay.kernels import cpu_kernels\n"
         "ops = cpu_kernels.layer_ops()\n"
         "assert not ops.has_amx_panels()\n"
         "for fmt in ('Q4_0', 'Q4_1', 'Q8_0'):\n"

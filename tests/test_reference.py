@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from kvreplay import SamplingParams
-from kvreplay.engine.attention import AttentionMetadata, PrefillSlice
-from kvreplay.engine.kv_manager import KVManager
+from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
+from kvreplay.kv import KVManager
 
 LOGIT_TOLERANCE = 1e-3  # absolute, on logits of magnitude ~40; fp32 on both sides
 

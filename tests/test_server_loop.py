@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from fastapi.testclient import TestClient
 
 from kvreplay.engine.llm_engine import EngineCounters
-from kvreplay.engine.sequence import RequestStats
+from kvreplay.outputs import RequestStats
 from kvreplay.outputs import CompletionOutput, RequestOutput
 from kvreplay.server.app import build_app
 from kvreplay.server.async_engine import AsyncEngine

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreplay import huge_pages
-from kvreplay.engine import cpu_kernels
-from kvreplay.switches import KERNEL_SWITCHES, check_kernel_switches, switch
+from kvreplay.kernels import huge_pages
+from kvreplay.kernels import cpu_kernels
+from kvreplay.kernels.switches import KERNEL_SWITCHES, check_kernel_switches, switch
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("", True), ("1", True), (" 0 ", False), ("0", False)])

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from kvreplay.engine.attention import AttentionMetadata, PrefillSlice
-from kvreplay.engine.kv_manager import KVManager
+from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
+from kvreplay.kv import KVManager
 
 
 class FullAttentionScorer:

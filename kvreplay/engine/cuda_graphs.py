@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay.engine.attention import AttentionMetadata, decode_padding
-from kvreplay.switches import switch
+from kvreplay.layers.attention import AttentionMetadata, decode_padding
+from kvreplay.kernels.switches import switch
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 
 from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
-from kvreplay.engine.kv_manager import KVManager
+from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus

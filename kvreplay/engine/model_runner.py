@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.engine.attention import (AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice,
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers.attention import (AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice,
                                        decode_padding)
 from kvreplay.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
-from kvreplay.engine.kv_manager import KVManager
+from kvreplay.kv import KVManager
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import LayeredPrefill, Sequence
 from kvreplay.kv.importance import OBSERVED_QUERIES

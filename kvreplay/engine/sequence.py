@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 
 import torch
 
+from kvreplay.outputs import RequestStats
 from kvreplay.sampling import SamplingParams
 
 
@@ -19,23 +20,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class RequestStats:
-    """The counters of SPEC §5, per request; zero where a policy does not act."""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    dropped_tokens: int = 0
-    replays: int = 0
-    replayed_tokens: int = 0
-    cold_blocks: int = 0
-    approx_tokens: int = 0
-    pauses: int = 0
-    replay_mismatches: int = 0
-    preemptions: int = 0  # pauses that kept nothing (vLLM-style recompute)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.engine import cpu_kernels
+from kvreplay.kernels import cpu_kernels
 from kvreplay.kv.quant import KeyCodes, block_upper_bound, dequantize_keys_int4, quantize_keys_int4
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay import huge_pages
+from kvreplay.kernels import huge_pages
 from kvreplay.kv.block_pool import BlockPool
 from kvreplay.kv.cold_pool import ColdPool
 from kvreplay.kv.importance import BlockImportance

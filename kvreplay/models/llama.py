@@ -1,18 +1,18 @@
 """The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
 
 Plain tensors and `torch.nn.functional`; the device and dtype follow the weights. Attention is
-delegated to `kvreplay.engine.attention.paged_attention`, which reads and writes the paged KV cache.
+delegated to `kvreplay.layers.attention.paged_attention`, which reads and writes the paged KV cache.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvreplay.engine import cpu_kernels
-from kvreplay.engine.attention import AttentionMetadata, add_decode_mass, paged_attention
+from kvreplay.kernels import cpu_kernels
+from kvreplay.layers.attention import AttentionMetadata, add_decode_mass, paged_attention
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import Projection, QuantizedWeight, onto_huge_pages, silu_pair_order
-from kvreplay.switches import switch
+from kvreplay.layers.linear import Projection, QuantizedWeight, onto_huge_pages, silu_pair_order
+from kvreplay.kernels.switches import switch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,7 +108,7 @@ class LlamaModel:
         self.rope_sin = emb.sin().to(self.device)
         self.scale = head_dim ** -0.5
         # On CPU the layer glue (residual add + RMSNorm, RoPE + cache write, SiLU x up) runs as compiled
-        # single ops (kvreplay/engine/csrc/layer_ops.cpp) where they build; else plain PyTorch.
+        # single ops (kvreplay/kernels/csrc/layer_ops.cpp) where they build; else plain PyTorch.
         self.layer_ops = cpu_kernels.layer_ops() if self.device.type == "cpu" else None
         # A decode-only step runs each layer as one compiled op (decode_layer: the same ops in
         # the same order, without the Python between them) up to this many rows; 0: never.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.linear import QUANT_FORMATS, QuantizedWeight
+from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,45 +13,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreplay.server.async_engine import AsyncEngine
+from kvreplay.server.completions import router
 from kvreplay.server.config import ServerConfig
 from kvreplay.server.formatting import TokenFormatter, error_body
 from kvreplay.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvreplay.server.state import ApiError, ServerState
 
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
-
-
-class ApiError(Exception):
-    """An error answered in the OpenAI shape with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, _ERROR_TYPES.get(self.status, "server_error"), self.param,
-                          self.code)
-        return JSONResponse(body, status_code=self.status)
-
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    formatter: TokenFormatter
-    created: int
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.config.served_model_name}'", "model", "model_not_found")
-
-
 class _Gatekeeper:
     """Pure ASGI middleware, outermost: checks the API key (all routes but /health) and counts
     generation responses by status for /metrics (streams count when their headers go out)."""
@@ -102,7 +71,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(_Gatekeeper, config=config, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, config)
-    from kvreplay.server.completions import router
     app.include_router(router)
     return app
 

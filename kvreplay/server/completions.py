@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreplay.outputs import CompletionOutput, RequestOutput
-from kvreplay.server.app import ApiError, ServerState
+from kvreplay.server.state import ApiError, ServerState
 from kvreplay.server.generation import EngineUnavailableError, Generation, QueueFullError
 from kvreplay.server.formatting import ChoiceStream, error_body, usage
 from kvreplay.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError

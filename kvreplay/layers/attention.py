@@ -90,11 +90,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] resident blocks, padded with block 0
     decode_padding: torch.Tensor | None = None       # [Hkv*B, 1, max_blocks * block_size] True past the context
     decode_context: torch.Tensor | None = None       # [B] tokens each row attends to
-    # The compiled decode kernel (kvreplay.engine.cpu_kernels) when this step can use it (no
+    # The compiled decode kernel (kvreplay.kernels.cpu_kernels) when this step can use it (no
     # cold tier); the PyTorch path below otherwise, with rows padded by decode_padding.
     decode_kernel: Callable | None = None
     # The compiled causal attention for prefill chunks whose earlier positions are all resident
-    # (bf16 on a CPU with AVX512-BF16; kvreplay.engine.cpu_kernels.prefill_attention); else SDPA.
+    # (bf16 on a CPU with AVX512-BF16; kvreplay.kernels.cpu_kernels.prefill_attention); else SDPA.
     prefill_kernel: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None

@@ -4,7 +4,7 @@ On CPU in bf16 two layouts of each weight are kept:
 - oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
   every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
   `machine_panel_rows()` rows (prefill chunks, mixed steps).
-- a panel copy for the compiled `panel_linear` op (kvreplay/engine/csrc/layer_ops.cpp) for
+- a panel copy for the compiled `panel_linear` op (kvreplay/kernels/csrc/layer_ops.cpp) for
   1-`machine_panel_rows()` rows, i.e. decode steps (on an AVX2-only CPU every row count: there
   each thread widens a slice of a panel to fp32 at a time, fp32 FMAs, the same sums). On an
   AVX512-BF16 CPU without AMX it runs on the vector units: at one row it streams the weights in
@@ -55,9 +55,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvreplay import huge_pages
-from kvreplay.engine import cpu_kernels
-from kvreplay.switches import is_set, switch
+from kvreplay.kernels import huge_pages
+from kvreplay.kernels import cpu_kernels
+from kvreplay.kernels.switches import is_set, switch
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@
 //       49,152 logits torch.argmax takes ~0.7 ms here, most of it outside the memory reads.
 //
 // Built without -ffast-math and with -ffp-contract=off so that every rounding above happens
-// where it is written. Built on first use by kvreplay/engine/cpu_kernels.py.
+// where it is written. Built on first use by kvreplay/kernels/cpu_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -1880,7 +1880,7 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& packed, const c10
 
 // silu(gate) * up of the gate/up product y = x W^T (+ b) for a W whose 2F rows are in pair order:
 // panel p (kPanelTiles x 16 rows; the last may be narrower) holds gate rows 24p .. 24p + 8w - 1
-// and then up rows 24p .. 24p + 8w - 1 (w: its tiles), kvreplay/models/linear.py silu_pair_order.
+// and then up rows 24p .. 24p + 8w - 1 (w: its tiles), kvreplay/layers/linear.py silu_pair_order.
 // The products are panel_linear's and the SiLU silu_mul's, so the result equals silu_mul of the
 // product in [gate | up] order, without writing or reading the [M, 2F] gate/up outputs.
 at::Tensor panel_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {

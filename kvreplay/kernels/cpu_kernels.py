@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.switches import check_kernel_switches
+from kvreplay.kernels.switches import check_kernel_switches
 
 log = logging.getLogger(__name__)
 

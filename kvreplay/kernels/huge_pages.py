@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvreplay.switches import switch
+from kvreplay.kernels.switches import switch
 
 HUGE_PAGE = 2 << 20
 

@@ -21,7 +21,7 @@
 // (and at 64 their values too) from tile multiplies instead (below; KVREPLAY_AMX_ATTENTION=0
 // keeps the vector path): ~1.3x less time with the cache in L2, about the same from memory.
 // The file also holds the need detector's scoring of dropped blocks (need_block_mass, below).
-// Built on first use by kvreplay/engine/cpu_kernels.py; the pure PyTorch path in attention.py
+// Built on first use by kvreplay/kernels/cpu_kernels.py; the pure PyTorch path in attention.py
 // computes the same thing and stays the reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
