@@ -23,8 +23,8 @@ the budget as *reserved* pool blocks, so usage and watermarks see hot + index by
 """
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -32,24 +32,21 @@ from kvreplay.kernels import huge_pages
 from kvreplay.kv.block_pool import BlockPool
 from kvreplay.kv.cold_pool import ColdPool
 from kvreplay.kv.importance import BlockImportance
+from kvreplay.kv.integrity import check_integrity
 from kvreplay.kv.key_index import KeyIndex
+from kvreplay.kv.layered import LayeredPrefills
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
+from kvreplay.kv.tiers import DROPPED, TierMoves, blocks_for as _blocks_for
 
 logger = logging.getLogger(__name__)
 
-DROPPED = -1  # table entry of a block whose K/V were freed; its tokens are kept by the sequence
 
-
-@dataclass
-class DroppedBlock:
-    """A block out of the hot tier: cold (K/V quantized in the cold pool) or dropped."""
-    slot: int | None           # key-index slot, None when no keys were kept (window) or cold
-    fingerprint: torch.Tensor  # [2, Hkv, D] fp32 sums of K and V over the block, last layer
-    cold_slot: int | None = None  # cold-pool slot while the block is cold
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+def _forward(helper: str, function):
+    """A KVManager method carried out by its helper `helper` (same signature and docstring)."""
+    @functools.wraps(function)
+    def method(self, *args, **kwargs):
+        return function(getattr(self, helper), *args, **kwargs)
+    return method
 
 
 class KVManager:
@@ -84,12 +81,11 @@ class KVManager:
         self.cold_pool = ColdPool(num_layers, num_kv_heads, block_size, head_dim, cold_dtype, device) \
             if cold_dtype else None
         self.peak_cold_bytes = 0
-        self._dropped: dict[int, dict[int, DroppedBlock]] = {}  # seq -> block index -> record
-        self._reserved: list[int] = []  # pool blocks standing for the key index's bytes
-        # A layered prefill under way, per sequence: the first table index of its range (whose
-        # blocks hold only some layers until it ends) and the pool blocks standing for its
-        # working memory (its hidden states and one layer's K/V of the whole range).
-        self._layered: dict[int, tuple[int, list[int]]] = {}
+        # Helpers this manager owns: moves between tiers (with the dropped records and the
+        # reservation) and layered prefills (with their working memory).
+        self.tiers = TierMoves(self)
+        self._dropped = self.tiers.records  # seq -> block index -> DroppedBlock
+        self.layered = LayeredPrefills(self)
         self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
         self.peak_resident_bytes = 0
         self.peak_index_bytes = 0
@@ -108,7 +104,7 @@ class KVManager:
     @property
     def num_reserved_blocks(self) -> int:
         """Pool blocks standing for the key index's bytes (counted as used)."""
-        return len(self._reserved)
+        return len(self.tiers.reserved)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -288,17 +284,17 @@ class KVManager:
         del self._hashes[seq_id][kept_tokens // self.block_size:]
         dropped = self._dropped.get(seq_id, {})
         for index in [i for i in dropped if i >= keep]:
-            self._forget_dropped(seq_id, index)
+            self.tiers.forget(seq_id, index)
         self.end_layered(seq_id)
-        self._rebalance_reserve()
+        self.tiers.rebalance_reserve()
         return kept_tokens
 
     def _kept_blocks(self, seq_id: int, keep_pinned: bool) -> int:
         """Leading table entries a pause keeps: the pinned head, less any part of it that a
         layered prefill under way has not finished (those blocks lack their later layers)."""
         keep = min(len(self._tables.get(seq_id, ())), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
-        if seq_id in self._layered:
-            keep = min(keep, self._layered[seq_id][0])
+        if seq_id in self.layered.active:
+            keep = min(keep, self.layered.active[seq_id][0])
         return keep
 
     def free(self, seq_id: int) -> None:
@@ -314,7 +310,7 @@ class KVManager:
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         index_bytes = self.index_bytes
-        hot_bytes = (self.num_used_blocks - len(self._reserved)) * self.block_bytes
+        hot_bytes = (self.num_used_blocks - len(self.tiers.reserved)) * self.block_bytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, hot_bytes + index_bytes + self.cold_bytes)
         self.peak_index_bytes = max(self.peak_index_bytes, index_bytes)
         self.peak_cold_bytes = max(self.peak_cold_bytes, self.cold_bytes)
@@ -332,267 +328,6 @@ class KVManager:
     def cold_bytes(self) -> int:
         return self.cold_pool.num_used * self.cold_pool.slot_bytes if self.cold_pool else 0
 
-    # ------------------------------------------------------------------ dropped ranges (SPEC §5)
-    def dropped_blocks(self, seq_id: int) -> list[int]:
-        """Table indices of `seq_id`'s blocks out of the hot tier (dropped or cold), oldest
-        first: what a replay recomputes."""
-        return sorted(self._dropped.get(seq_id, ()))
-
-    def cold_blocks(self, seq_id: int) -> list[int]:
-        """Table indices of `seq_id`'s cold blocks, oldest first."""
-        records = self._dropped.get(seq_id, {})
-        return sorted(i for i, r in records.items() if r.cold_slot is not None)
-
-    def cold_slots(self, seq_id: int) -> list[int]:
-        """Cold-pool slots of `seq_id`'s cold blocks (attention reads them)."""
-        records = self._dropped.get(seq_id, {})
-        return [records[i].cold_slot for i in self.cold_blocks(seq_id)]
-
-    def num_dropped_tokens(self, seq_id: int) -> int:
-        return len(self._dropped.get(seq_id, ())) * self.block_size
-
-    def index_slots(self, seq_id: int) -> list[int]:
-        """Key-index slots of `seq_id`'s dropped blocks (the need detector reads them)."""
-        return [slot for _, slot in self.indexed_blocks(seq_id)]
-
-    def indexed_blocks(self, seq_id: int) -> list[tuple[int, int]]:
-        """(table index, key-index slot) of each of `seq_id`'s dropped blocks that has a slot, in
-        the order they were dropped (the need probe's columns)."""
-        return [(index, r.slot) for index, r in self._dropped.get(seq_id, {}).items() if r.slot is not None]
-
-    def resident_bytes(self, seq_id: int) -> int:
-        """Bytes `seq_id` holds: its hot blocks (shared ones counted whole) and index slots."""
-        cold = len(self.cold_slots(seq_id)) * self.cold_pool.slot_bytes if self.cold_pool else 0
-        table = self._tables.get(seq_id, [])
-        indexed = sum(r.slot is not None for r in self._dropped.get(seq_id, {}).values())
-        return (len(table) - table.count(DROPPED)) * self.block_bytes + indexed * self.key_index.slot_bytes + cold
-
-    def bytes_freed_by_drop(self, cold: bool, keep_index: bool) -> int:
-        """How much `resident_bytes` falls when one unshared hot (or cold) block is dropped."""
-        freed = self.cold_pool.slot_bytes if cold else self.block_bytes
-        return freed - (self.key_index.slot_bytes if keep_index else 0)
-
-    def resident_blocks(self, seq_id: int) -> list[int]:
-        """Blocks of `seq_id` that hold K/V, in table order."""
-        return [b for b in self._tables.get(seq_id, ()) if b != DROPPED]
-
-    def droppable(self, seq_id: int, blocks: range) -> list[int]:
-        """Of the table indices `blocks`, those hot and referenced by `seq_id` alone: dropping
-        a shared block would free nothing."""
-        table = self._tables.get(seq_id, [])
-        return [i for i in blocks if i < len(table) and table[i] != DROPPED
-                and self.pool.ref_counts[table[i]] == 1 and i * self.block_size < self._num_slots[seq_id]]
-
-    def _fingerprint(self, blocks: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
-        """[n, 2, Hkv, D] fp32 sums over each block's tokens of K and V in the last layer, the
-        one every replay error would reach (`cache`: that layer's K/V laid out like the pool's,
-        [2, Hkv, blocks, block_size, D]; default the pool's own)."""
-        cache = self.kv_caches[-1] if cache is None else cache
-        return cache.index_select(2, blocks).float().sum(3).permute(2, 0, 1, 3)
-
-    def demote(self, seq_id: int, block_indices: list[int]) -> int:
-        """Move hot blocks (from `droppable`) to the cold tier. Returns blocks freed (net of
-        the cold tier's reservation)."""
-        assert self.cold_pool is not None, "demote needs a cold tier (cold_dtype)"
-        if not block_indices:
-            return 0
-        before = self.pool.num_free
-        blocks = self._hot_blocks(seq_id, block_indices)
-        fingerprints = self._fingerprint(blocks).cpu()
-        cold_slots = self.cold_pool.add(self._gather(blocks, 0), self._gather(blocks, 1))
-        self._vacate(seq_id, block_indices, [DroppedBlock(None, fingerprint, cold_slot)
-                                             for cold_slot, fingerprint in zip(cold_slots, fingerprints)])
-        return self.pool.num_free - before
-
-    def drop_cold(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
-        """Drop cold blocks: their quantized K/V leave; with `keep_index` their (dequantized)
-        keys enter the key index. Returns blocks freed from the reservation."""
-        if not block_indices:
-            return 0
-        before = self.pool.num_free
-        records = self._dropped[seq_id]
-        cold_slots = [records[i].cold_slot for i in block_indices]
-        assert None not in cold_slots, f"seq {seq_id}: only cold blocks can be dropped here"
-        slots: list[int | None] = [None] * len(block_indices)
-        if keep_index:
-            keys, _ = self.cold_pool.dequantize_slots(cold_slots)
-            slots = self.key_index.add(keys)
-        self.cold_pool.remove(cold_slots)
-        for index, slot in zip(block_indices, slots):
-            records[index].cold_slot, records[index].slot = None, slot
-        self._rebalance_reserve()
-        return self.pool.num_free - before
-
-    def drop(self, seq_id: int, block_indices: list[int], keep_index: bool) -> int:
-        """Free the K/V of `seq_id`'s blocks at `block_indices` (from `droppable`). With
-        `keep_index` their keys stay in the key index at int4. Returns blocks freed (net of
-        the index's reservation)."""
-        if not block_indices:
-            return 0
-        before = self.pool.num_free
-        blocks = self._hot_blocks(seq_id, block_indices)
-        fingerprints = self._fingerprint(blocks).cpu()
-        slots = self.key_index.add(self._gather(blocks, 0)) if keep_index else [None] * len(block_indices)
-        self._vacate(seq_id, block_indices, [DroppedBlock(slot, fingerprint)
-                                             for slot, fingerprint in zip(slots, fingerprints)])
-        return self.pool.num_free - before
-
-    def _hot_blocks(self, seq_id: int, block_indices: list[int]) -> torch.Tensor:
-        """The pool blocks at `block_indices`, which must be hot and referenced by `seq_id` alone."""
-        table = self._tables[seq_id]
-        assert all(table[i] != DROPPED and self.pool.ref_counts[table[i]] == 1 for i in block_indices), \
-            f"seq {seq_id}: only hot, unshared blocks can leave the hot tier"
-        return torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
-
-    def _gather(self, blocks: torch.Tensor, side: int) -> torch.Tensor:
-        """K (side 0) or V (side 1) of `blocks` in every layer: [L, Hkv, n, block_size, D]."""
-        return torch.stack([cache[side].index_select(1, blocks) for cache in self.kv_caches])
-
-    def _vacate(self, seq_id: int, block_indices: list[int], records: list[DroppedBlock]) -> None:
-        """Release the hot blocks at `block_indices` (a cached one waits in the LRU: a free
-        restore) and record what stands in for each."""
-        table = self._tables[seq_id]
-        dropped = self._dropped.setdefault(seq_id, {})
-        for index, record in zip(block_indices, records):
-            self.pool.release(table[index])
-            table[index] = DROPPED
-            dropped[index] = record
-        self._rebalance_reserve()
-        self._note_peak()
-
-    def restore_cached(self, seq_id: int, token_ids: list[int], indices: list[int] | None = None) -> list[int]:
-        """Put back dropped blocks (all, or those among `indices`) whose K/V still sit in the
-        prefix cache (not yet evicted): a replay that costs nothing. Returns the table indices
-        restored."""
-        table, hashes = self._tables[seq_id], self._hashes[seq_id]
-        restored = []
-        dropped = self.dropped_blocks(seq_id)
-        if indices is not None:
-            dropped = sorted(set(dropped).intersection(indices))
-        for index in dropped:
-            if index >= len(hashes):
-                continue
-            tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block = self.pool.cache.lookup(hashes[index], tokens)
-            if block is None:
-                continue
-            self.pool.acquire(block)
-            table[index] = block
-            self._forget_dropped(seq_id, index)
-            restored.append(index)
-        if restored:
-            self._rebalance_reserve()
-            self._note_peak()
-        return restored
-
-    def allocate_restore(self, seq_id: int, block_indices: list[int]) -> bool:
-        """Fresh blocks for dropped table indices about to be replayed; False (no change) when
-        the pool lacks them."""
-        if len(block_indices) > self.pool.num_free:
-            return False
-        table = self._tables[seq_id]
-        for index in block_indices:
-            assert table[index] == DROPPED, f"seq {seq_id}: block {index} is not dropped"
-            table[index] = self.pool.take()
-        self._note_peak()
-        return True
-
-    def finish_restore(self, seq_id: int, block_indices: list[int], token_ids: list[int]) -> int:
-        """The replay of `block_indices` has written their K/V: compare each with the
-        fingerprint taken at drop time, re-index it in the prefix cache, forget its index slot.
-        Returns the number of blocks whose fingerprint did not match."""
-        table, records = self._tables[seq_id], self._dropped[seq_id]
-        blocks = torch.tensor([table[i] for i in block_indices], device=self.kv_caches[0].device)
-        now = self._fingerprint(blocks).cpu()
-        mismatches = 0
-        for index, fingerprint in zip(block_indices, now):
-            before = records[index].fingerprint
-            error = (fingerprint - before).abs().max() / before.abs().max().clamp_min(1e-6)
-            if error > self.fingerprint_tolerance:
-                mismatches += 1
-                logger.warning("seq %d: replayed block %d differs from its fingerprint by %.3g "
-                               "(tolerance %.3g)", seq_id, index, float(error), self.fingerprint_tolerance)
-            self._forget_dropped(seq_id, index)
-            if self.enable_prefix_caching and index < len(self._hashes[seq_id]) \
-                    and not self.pool.cache.is_cached(table[index]):
-                tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-                self.pool.cache.insert(table[index], self._hashes[seq_id][index], tokens)
-        self._rebalance_reserve()
-        return mismatches
-
-    # ------------------------------------------------------------------ layered prefill
-    def num_blocks_layered(self, seq_id: int, num_new_tokens: int, middle: range, keep_index: bool,
-                           work_bytes: int) -> int:
-        """Pool blocks `begin_layered` would take: the new hot blocks, the key-index slots'
-        share of the reservation and the working memory's."""
-        have = len(self._tables.get(seq_id, ()))
-        new = range(have, _blocks_for(self._num_slots.get(seq_id, 0) + num_new_tokens, self.block_size))
-        dropped = sum(1 for index in new if index in middle)
-        index_bytes = dropped * self.key_index.slot_bytes if keep_index else 0
-        return len(new) - dropped + _blocks_for(index_bytes, self.block_bytes) + \
-            _blocks_for(work_bytes, self.block_bytes)
-
-    def begin_layered(self, seq_id: int, num_new_tokens: int, middle: range, keep_index: bool,
-                      work_bytes: int) -> list[int] | None:
-        """Room for `num_new_tokens` more tokens of `seq_id` computed layer by layer: new table
-        entries in `middle` start DROPPED (with a key-index slot when `keep_index`, filled by
-        `write_layer`), the others get pool blocks, and `work_bytes` of working memory are held
-        as reserved blocks until `end_layered`. The sequence's room must end on a block
-        boundary and nothing of it may be dropped. Returns the new table indices, or None (no change) when the pool
-        cannot hold them."""
-        if seq_id not in self._tables:
-            self.add_sequence(seq_id)
-        table = self._tables[seq_id]
-        assert self._num_slots[seq_id] == len(table) * self.block_size, "layered prefill starts at a block boundary"
-        assert not self._dropped.get(seq_id) and seq_id not in self._layered, f"seq {seq_id}: not a fresh range"
-        if self.num_blocks_layered(seq_id, num_new_tokens, middle, keep_index, work_bytes) > self.pool.num_free:
-            return None
-        new = list(range(len(table), _blocks_for(self._num_slots[seq_id] + num_new_tokens, self.block_size)))
-        dropped = [index for index in new if index in middle]
-        slots = self.key_index.allocate(len(dropped)) if keep_index else [None] * len(dropped)
-        records = self._dropped.setdefault(seq_id, {}) if dropped else {}
-        num_kv, head_dim = self.kv_caches[0].shape[1], self.kv_caches[0].shape[-1]
-        for index, slot in zip(dropped, slots):  # fingerprints: written with the last layer
-            records[index] = DroppedBlock(slot, torch.zeros(2, num_kv, head_dim))
-        for index in new:
-            table.append(DROPPED if index in records else self.pool.take())
-        self._num_slots[seq_id] += num_new_tokens
-        self._rebalance_reserve()
-        self._layered[seq_id] = (new[0] if new else len(table),
-                                 [self.pool.take() for _ in range(_blocks_for(work_bytes, self.block_bytes))])
-        self._note_peak()
-        return new
-
-    def write_layer(self, seq_id: int, layer: int, scratch: torch.Tensor, new: list[int]) -> None:
-        """One layer of a layered prefill is computed: `scratch` [2, Hkv, n, block_size, D]
-        holds its K/V with scratch block i standing for table index i. The hot entries of
-        `new` (from `begin_layered`) take their K/V; the dropped ones their keys in the key
-        index and, at the last layer, their fingerprints (as `drop` takes them)."""
-        table = self._tables[seq_id]
-        device = scratch.device
-        hot = [index for index in new if table[index] != DROPPED]
-        if hot:
-            source = torch.tensor(hot, device=device)
-            target = torch.tensor([table[index] for index in hot], device=device)
-            self.kv_caches[layer].index_copy_(2, target, scratch.index_select(2, source))
-        records = self._dropped.get(seq_id, {})
-        dropped = [index for index in new if table[index] == DROPPED]
-        if not dropped:
-            return
-        source = torch.tensor(dropped, device=device)
-        slots = [records[index].slot for index in dropped]
-        if slots[0] is not None:
-            self.key_index.write_layer(layer, slots, scratch[0].index_select(1, source))
-        if layer == len(self.kv_caches) - 1:
-            fingerprints = self._fingerprint(source, scratch).cpu()
-            for index, fingerprint in zip(dropped, fingerprints):
-                records[index].fingerprint = fingerprint
-
-    def end_layered(self, seq_id: int) -> None:
-        """Release a layered prefill's working memory (done, or the sequence paused)."""
-        for block in self._layered.pop(seq_id, (0, []))[1]:
-            self.pool.release(block)
-
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget slots past `num_tokens` (a decode step that is redone after a replay)."""
         table = self._tables[seq_id]
@@ -605,76 +340,27 @@ class KVManager:
         self._num_slots[seq_id] = num_tokens
         del self._hashes[seq_id][num_tokens // self.block_size:]
 
-    def _forget_dropped(self, seq_id: int, index: int) -> None:
-        record = self._dropped[seq_id].pop(index)
-        if record.slot is not None:
-            self.key_index.remove([record.slot])
-        if record.cold_slot is not None:
-            self.cold_pool.remove([record.cold_slot])
-        if not self._dropped[seq_id]:
-            del self._dropped[seq_id]
-
-    def _reserve_target(self) -> int:
-        index_bytes = self.key_index.num_used * self.key_index.slot_bytes
-        return -(-(index_bytes + self.cold_bytes) // self.block_bytes)
-
-    def _rebalance_reserve(self) -> None:
-        """Hold as many pool blocks as the key index's bytes fill, so that the budget counts
-        them (and the cold tier's). Dropping or demoting frees a whole block per slot (an index
-        slot is ~1/5 of one, a cold slot 2/5-2/3), so this never starves."""
-        target = self._reserve_target()
-        while len(self._reserved) > target:
-            self.pool.release(self._reserved.pop())
-        while len(self._reserved) < target:
-            assert self.pool.num_free > 0, "no block left to reserve for the key index"
-            self._reserved.append(self.pool.take())
-
-    # ------------------------------------------------------------------ invariants
-    def check_integrity(self) -> None:
-        """Ref counts equal table references; free lists, LRU and cache entries agree; every
-        sequence's hash chain matches the cached content of its blocks; pins are held."""
-        self.pool.check_integrity(self.block_size)
-        counted = [0] * self.num_blocks
-        for block in self._reserved + [b for _, blocks in self._layered.values() for b in blocks]:
-            counted[block] += 1
-        assert set(self._layered) <= set(self._tables), "working memory of an unknown sequence"
-        assert len(self._reserved) == self._reserve_target(), "key-index reservation out of date"
-        slots = [r.slot for records in self._dropped.values() for r in records.values()
-                 if r.slot is not None]
-        assert len(slots) == len(set(slots)) == self.key_index.num_used, "key-index slots leaked"
-        cold = [r.cold_slot for records in self._dropped.values() for r in records.values()
-                if r.cold_slot is not None]
-        assert len(cold) == len(set(cold)) == (self.cold_pool.num_used if self.cold_pool else 0), \
-            "cold slots leaked"
-        assert not any(r.slot is not None and r.cold_slot is not None
-                       for records in self._dropped.values() for r in records.values()), \
-            "a block both cold and indexed"
-        for seq_id, records in self._dropped.items():
-            assert records, f"seq {seq_id}: empty dropped record"
-            for index in records:
-                assert self._tables[seq_id][index] == DROPPED, f"seq {seq_id}: block {index} not dropped"
-        for seq_id, table in self._tables.items():
-            slots = self._num_slots[seq_id]
-            assert len(table) == _blocks_for(slots, self.block_size), \
-                f"seq {seq_id}: {len(table)} blocks for {slots} slots"
-            assert sum(b == DROPPED for b in table) == len(self._dropped.get(seq_id, ())), \
-                f"seq {seq_id}: dropped entries without records"
-            for block in table:
-                if block != DROPPED:
-                    counted[block] += 1
-            hashes = self._hashes[seq_id]
-            assert len(hashes) <= slots // self.block_size, f"seq {seq_id}: hash past its full blocks"
-            parent = None
-            for block, block_hash in zip(table, hashes):
-                key = self.pool.cache.key(block) if block != DROPPED else None
-                if key is not None:
-                    assert key[0] == block_hash, f"seq {seq_id}: block {block} cached under another hash"
-                    assert self._hash_fn(parent, key[1], self._extra_keys[seq_id]) == block_hash, \
-                        f"seq {seq_id}: block {block} breaks the hash chain"
-                parent = block_hash
-            pinned = self.num_pinned_blocks(seq_id)
-            assert all(b != DROPPED and self.pool.ref_counts[b] > 0 for b in table[:pinned]), \
-                f"seq {seq_id}: pin lost"
-        for block in range(self.num_blocks):
-            assert counted[block] == self.pool.ref_counts[block], \
-                f"block {block}: ref count {self.pool.ref_counts[block]}, tables hold {counted[block]}"
+    # ------------------------------------------------------------------ carried out by helpers
+    # Tier moves and dropped-range queries (kv/tiers.py), layered prefills (kv/layered.py);
+    # each keeps its helper's docstring.
+    dropped_blocks = _forward("tiers", TierMoves.dropped_blocks)
+    cold_blocks = _forward("tiers", TierMoves.cold_blocks)
+    cold_slots = _forward("tiers", TierMoves.cold_slots)
+    num_dropped_tokens = _forward("tiers", TierMoves.num_dropped_tokens)
+    index_slots = _forward("tiers", TierMoves.index_slots)
+    indexed_blocks = _forward("tiers", TierMoves.indexed_blocks)
+    resident_bytes = _forward("tiers", TierMoves.resident_bytes)
+    bytes_freed_by_drop = _forward("tiers", TierMoves.bytes_freed_by_drop)
+    resident_blocks = _forward("tiers", TierMoves.resident_blocks)
+    droppable = _forward("tiers", TierMoves.droppable)
+    demote = _forward("tiers", TierMoves.demote)
+    drop_cold = _forward("tiers", TierMoves.drop_cold)
+    drop = _forward("tiers", TierMoves.drop)
+    restore_cached = _forward("tiers", TierMoves.restore_cached)
+    allocate_restore = _forward("tiers", TierMoves.allocate_restore)
+    finish_restore = _forward("tiers", TierMoves.finish_restore)
+    num_blocks_layered = _forward("layered", LayeredPrefills.num_blocks)
+    begin_layered = _forward("layered", LayeredPrefills.begin)
+    write_layer = _forward("layered", LayeredPrefills.write_layer)
+    end_layered = _forward("layered", LayeredPrefills.end)
+    check_integrity = check_integrity
