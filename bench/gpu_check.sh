@@ -6,7 +6,7 @@
 #   2. prefill/decode throughput against transformers `generate` on the same GPU (decode steps
 #      replay CUDA graphs),
 #   3. long requests under a tight KV budget, full against replay (bench/replay_serving.py),
-#   4. the SPEC §8 serving workload (`kvreplay bench serve`),
+#   4. the docs/architecture.md §8 serving workload (`kvreplay bench serve`),
 #   5. step 2's throughput with every decode step eager (KVREPLAY_CUDA_GRAPHS=0), kvreplay only,
 #   6. the engine tests (batching, replay, cold tier, importance, sampling, server) on the GPU.
 # Steps run in the order STEPS names them; with the default limits the whole run takes at most

@@ -38,10 +38,16 @@ def step_masses(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], l
     index.trace = []
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
     alternative = []
+    run = engine.runner.run
+
+    def recording_run(batch, greedy=False):  # the detector's statistic is in each step's result
+        result = run(batch, greedy=greedy)
+        masses.extend(outcome.mass for outcome in result.needs)
+        return result
+    engine.runner.run = recording_run
     while engine.has_unfinished_requests():
         index.trace.clear()
         engine.step()
-        masses.extend(engine.runner.probed_mass)
         if index.trace:
             alternative.append(max(float((within * dropped.sqrt()).max())
                                    for _, within, dropped, _ in index.trace))

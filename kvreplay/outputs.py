@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RequestStats:
-    """The counters of SPEC §5, per request; zero where a policy does not act."""
+    """The counters of docs/architecture.md §5, per request; zero where a policy does not act."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefix_hit_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Cold tier and sparse attention (SPEC §4, §6; issue 5) through the engine: demotion, Quest
+"""Cold tier and sparse attention (docs/architecture.md §4, §6; issue 5) through the engine: demotion, Quest
 block selection, the sparse and replay+cold presets. Quantization round trips are pinned in
 tests/test_quant.py and tests/test_cold_pool.py."""
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_replay_cold_under_pressure_drops_cold_blocks_first(corpus):
     assert seq.stats.replays == 0 and seq.stats.approx_tokens == 1
     cold = engine.kv.cold_blocks(seq.seq_id)
     used = engine.kv.num_used_blocks
-    assert engine.scheduler._trim_for_room(engine.kv.num_blocks)  # pressure: take all it can
+    assert engine.scheduler.reclaim.trim_for_room(engine.kv.num_blocks)  # pressure: take all it can
     engine.check_integrity()
     assert engine.kv.cold_blocks(seq.seq_id) == [] and engine.kv.dropped_blocks(seq.seq_id) == cold
     assert engine.kv.num_used_blocks < used and seq.stats.dropped_tokens == len(cold) * 16

@@ -73,7 +73,7 @@ def _cold_setup(trim_order: str):
     seq.num_computed_tokens = 60
     kv.commit(seq.seq_id, seq.token_ids, 60)
     seq.token_ids.append(7)
-    scheduler.trim_after_step([seq])  # slides: the middle goes cold
+    scheduler.end_step([seq])  # slides: the middle goes cold
     middle = list(middle_block_range(60, 4, 8, 4))
     assert kv.cold_blocks(seq.seq_id) == middle and len(middle) == 12
     # Importance falls with age reversed: the newest middle block matters least.
@@ -84,9 +84,9 @@ def _cold_setup(trim_order: str):
 @pytest.mark.parametrize("trim_order", ["importance", "oldest"])
 def test_pressure_drops_cold_blocks_in_trim_order(trim_order):
     kv, scheduler, seq, middle = _cold_setup(trim_order)
-    scheduler._chunked.clear()  # a later step: the prefill chunk no longer shields the sequence
+    scheduler.reclaim.chunked.clear()  # a later step: the prefill chunk no longer shields the sequence
     before = kv.num_used_blocks
-    assert scheduler._trim_for_room(0, target_used=before - 2)
+    assert scheduler.reclaim.trim_for_room(0, target_used=before - 2)
     kv.check_integrity()
     dropped = [i for i in kv.dropped_blocks(seq.seq_id) if i not in kv.cold_blocks(seq.seq_id)]
     assert 0 < len(dropped) < len(middle)
@@ -106,7 +106,7 @@ def test_heavy_hitters_stay_hot_when_the_middle_slides():
     kv.commit(seq.seq_id, seq.token_ids, 60)
     seq.token_ids.append(7)
     kv.importance.observe(seq.seq_id, torch.tensor([3, 9]), torch.tensor([5.0, 2.0]))
-    scheduler.trim_after_step([seq])
+    scheduler.end_step([seq])
     middle = set(middle_block_range(60, 0, 8, 4))
     assert middle - set(kv.cold_blocks(seq.seq_id)) == {3, 9}  # two blocks = heavy_tokens 8
     kv.check_integrity()

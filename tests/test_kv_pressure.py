@@ -42,7 +42,7 @@ def _run(kv: KVManager, scheduler: Scheduler, seqs: list[Sequence], on_step=None
             assert not any(s.seq_id in waiting_before for s, _ in batch.prefills)
         for seq, chunk in batch.prefills:
             start = seq.num_computed_tokens
-            seq.stats.replayed_tokens += max(0, min(start + chunk, seq.replay_end) - start)
+            seq.stats.replayed_tokens += max(0, min(start + chunk, seq.replay.end) - start)
             seq.num_computed_tokens += chunk
         for seq in batch.decodes:
             seq.num_computed_tokens += 1

@@ -1,4 +1,4 @@
-"""The planner against the seeds' worked examples (SPEC §8) and exact block arithmetic."""
+"""The planner against the seeds' worked examples (docs/architecture.md §8) and exact block arithmetic."""
 from __future__ import annotations
 
 import json
@@ -57,7 +57,7 @@ def test_default_model_bytes_per_token():
     from kvreplay.models.loader import read_model_config
     dims = KVDims.from_model_config(read_model_config(None), "default")
     assert (dims.num_layers, dims.num_kv_heads, dims.head_dim) == (30, 3, 64)
-    assert dims.bytes_per_token(2) == 23_040  # SPEC §2
+    assert dims.bytes_per_token(2) == 23_040  # SmolLM2-135M in bf16: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes
 
 
 def test_block_rounding_and_zones():
@@ -82,7 +82,7 @@ def test_policy_resident_bytes():
     assert request.policy("window").resident_bytes == 33 * block
     replay = request.policy("replay")
     assert replay.hot_bytes == 33 * block
-    # the int4 key index is 1/8 of the dropped range's bf16 K+V (SPEC §4), plus fp16 min/scale
+    # the int4 key index is 1/8 of the dropped range's bf16 K+V (docs/architecture.md §4), plus fp16 min/scale
     assert replay.index_bytes == middle * block // 8 + middle * 2 * g * 2
     assert replay.summary_bytes == middle * 2 * g * 2
     int8 = request.policy("sparse:int8")

@@ -1,4 +1,4 @@
-"""Replay (SPEC §5, issue 4): dropping middle blocks, the key index, the need detector, exact
+"""Replay (docs/architecture.md §5, issue 4): dropping middle blocks, the key index, the need detector, exact
 in-order replay, fingerprints. Tiny pools without a model first, then the real model in fp32."""
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def _check(llm):
 def test_replay_restores_kv_at_every_layer(replay32, corpus):
     engine = replay32.engine
     prompt = corpus[:700]
-    engine.config.trim = engine.scheduler.trim = "pressure"  # no automatic trim: drop by hand
+    engine.config.trim = engine.scheduler.reclaim.trim = "pressure"  # no automatic trim: drop by hand
     try:
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0), request_id="kv")
         engine.step()
@@ -197,7 +197,7 @@ def test_replay_restores_kv_at_every_layer(replay32, corpus):
         blocks = [kv.block_table(seq.seq_id)[i] for i in middle]
         before = [cache[:, :, blocks].clone() for cache in kv.kv_caches]  # [2, Hkv, n, bs, D]
         kv.drop(seq.seq_id, middle, keep_index=True)
-        seq.needs_replay = True
+        seq.replay.needed = True
         engine.check_integrity()
         engine.step()  # the replay, in chunks of the step's 512-token budget
         assert seq.stats.replayed_tokens == 512 and len(kv.dropped_blocks(seq.seq_id)) == len(middle) - 32
@@ -212,7 +212,7 @@ def test_replay_restores_kv_at_every_layer(replay32, corpus):
             engine.step()
             engine.check_integrity()
     finally:
-        engine.config.trim = engine.scheduler.trim = "prefill"
+        engine.config.trim = engine.scheduler.reclaim.trim = "prefill"
 
 
 def test_always_replay_equals_full_exactly(replay32, llm32, corpus):
@@ -252,7 +252,7 @@ def test_abort_during_replay_leaves_the_pool_clean(replay32, corpus):
     engine = replay32.engine
     engine.add_request(corpus[3000:3800], PARAMS, request_id="abort-me")
     engine.add_request(corpus[5000:5300], PARAMS, request_id="keep")
-    while not any(s.replaying for r in engine.requests.values() for s in r.seqs):
+    while not any(s.replay.active for r in engine.requests.values() for s in r.seqs):
         engine.step()
         engine.check_integrity()
     engine.abort_request("abort-me")
@@ -326,13 +326,14 @@ def test_need_layers_limit_what_the_detector_reads(replay32, corpus):
     (docs/benchmarks/replay.md): reading only them, a 0.5 threshold never fires."""
     engine = replay32.engine
     prompt = corpus[3000:3600]
-    saved = engine.runner.need_layers, engine.config.replay_threshold
-    engine.config.replay_threshold = 0.5
+    tracker = engine.scheduler.replay  # the replay tracker owns the threshold
+    saved = engine.runner.need_layers, tracker.threshold
+    tracker.threshold = 0.5
     try:
         engine.runner.need_layers = frozenset({0, 1})
         quiet = replay32.generate(prompt, PARAMS).outputs[0].stats
     finally:
-        engine.runner.need_layers, engine.config.replay_threshold = saved
+        engine.runner.need_layers, tracker.threshold = saved
     assert quiet.replays == 0 and quiet.approx_tokens == PARAMS.max_tokens - 1
 
 
@@ -370,7 +371,7 @@ def test_need_replay_brings_back_only_up_to_the_needed_block(corpus):
     def watch(*_):
         engine.check_integrity()
         for seq in engine.scheduler.running:
-            if seq.stats.replays and not seq.replaying:
+            if seq.stats.replays and not seq.replay.active:
                 dropped_after_replay.append(len(engine.kv.dropped_blocks(seq.seq_id)))
 
     out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),

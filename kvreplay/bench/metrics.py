@@ -1,4 +1,4 @@
-"""Latency and throughput from per-token timestamps (SPEC §8).
+"""Latency and throughput from per-token timestamps (docs/architecture.md §8).
 
 For a request with N output tokens observed at t_1..t_N, sent at a:
 

@@ -1,4 +1,4 @@
-"""Peers run on the same requests, model file and machine, reported as ratios (SPEC §8).
+"""Peers run on the same requests, model file and machine, reported as ratios (docs/architecture.md §8).
 
 - `transformers`: `generate` one request at a time (it has no scheduler), greedy, EOS ignored;
   a streamer stamps every token, so TTFT/TPOT/E2E use the same formulas as ours.

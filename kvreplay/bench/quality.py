@@ -1,4 +1,4 @@
-"""`bench quality`: retrieval, fidelity and perplexity of each policy and budget (SPEC §8).
+"""`bench quality`: retrieval, fidelity and perplexity of each policy and budget (docs/architecture.md §8).
 
 - Retrieval: a sentence "The secret number of <name> is <5 digits>." planted at a depth of a
   haystack cut from the Python docs (pydoc_data.topics), then asked for at the end; a case is

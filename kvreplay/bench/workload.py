@@ -1,4 +1,4 @@
-"""The serving workload of SPEC §8: a seeded prompt-length mix with Poisson or burst arrivals.
+"""The serving workload of docs/architecture.md §8: a seeded prompt-length mix with Poisson or burst arrivals.
 
 The mix is the seeds' 70/20/10 split scaled to an 8K context: 70% of prompts under 1K tokens,
 20% in 1K-4K, 10% in 4K-7.5K, uniform within a bucket. `length_scale` shrinks every bucket for

@@ -18,10 +18,31 @@ The result is the best finished beam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.engine.sequence import Sequence
+
+
+class BeamHost(Protocol):
+    """What beam search asks of the engine, and nothing more."""
+    eos_token_ids: set[int]
+
+    def request_of(self, seq: Sequence):
+        """The request `seq` belongs to (its `request_id` and `seqs`, the beams shown)."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` running on `parent`'s blocks."""
+
+    def prune(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues and free its blocks; it is finished, unreported."""
+
+    def complete(self, seq: Sequence, reason: str) -> None:
+        """`seq` holds the winning tokens: detokenize it and finish it with `reason`."""
+
+    def count_generated(self) -> None:
+        """One more generated token for the engine's totals (one per beam step)."""
 
 
 @dataclass
@@ -75,7 +96,7 @@ class BeamGroup:
         return self.finished[0][1]
 
 
-def step_beams(engine, logits: torch.Tensor, sampled: list[Sequence],
+def step_beams(engine: BeamHost, logits: torch.Tensor, sampled: list[Sequence],
                touched: dict) -> tuple[torch.Tensor, list[Sequence]]:
     """Hand beams' logits to their groups; advance each group whose beams all reported.
     Returns the logits and sequences left for ordinary sampling."""
@@ -86,7 +107,7 @@ def step_beams(engine, logits: torch.Tensor, sampled: list[Sequence],
             groups[id(seq.beam)] = seq.beam
     for group in groups.values():
         if group.ready:
-            request = engine.requests[group.live[0].request_id]
+            request = engine.request_of(group.live[0])
             _advance(engine, group, request)
             touched[request.request_id] = request
     keep = [row for row, seq in enumerate(sampled) if seq.beam is None]
@@ -94,7 +115,7 @@ def step_beams(engine, logits: torch.Tensor, sampled: list[Sequence],
         [sampled[row] for row in keep]
 
 
-def _advance(engine, group: BeamGroup, request) -> None:
+def _advance(engine: BeamHost, group: BeamGroup, request) -> None:
     """Apply the group's choice: reuse, fork or free beams; on completion keep only the best."""
     chosen = group.advance()
     plan, kept = [], set()
@@ -105,22 +126,20 @@ def _advance(engine, group: BeamGroup, request) -> None:
                             engine.eos_token_ids, None)
             beam.token_ids, beam.max_tokens = list(parent.token_ids), parent.max_tokens
             beam.pinned_tokens, beam.beam = parent.pinned_tokens, group
-            engine.scheduler.fork(parent, beam)
+            engine.fork(parent, beam)
         kept.add(beam.seq_id)
         plan.append((beam, token, score))
     winner = group.live[0]
     for seq in group.live:
         if seq.seq_id not in kept and (chosen or seq is not winner):
-            engine.scheduler.remove(seq)  # pruned: its blocks go back (shared ones stay)
-            seq.status = SequenceStatus.FINISHED
+            engine.prune(seq)  # its blocks go back (shared ones stay)
     if group.done:
-        engine.scheduler.remove(winner)
+        engine.prune(winner)
         best = group.best()
         winner.token_ids = winner.prompt_token_ids + best
         winner.stats.completion_tokens = len(best)
-        engine.counters.generation_tokens += 1
-        engine._detokenize(winner)
-        engine._finish(winner, "stop" if best[-1] in winner.stop_ids else "length")
+        engine.count_generated()
+        engine.complete(winner, "stop" if best[-1] in winner.stop_ids else "length")
         request.seqs = [winner]
         return
     group.live = [beam for beam, _, _ in plan]
@@ -128,5 +147,5 @@ def _advance(engine, group: BeamGroup, request) -> None:
     for beam, token, _ in plan:
         beam.token_ids.append(token)
         beam.stats.completion_tokens = beam.num_output_tokens
-    engine.counters.generation_tokens += 1
+    engine.count_generated()
     request.seqs = list(group.live)

@@ -11,7 +11,8 @@ import torch
 from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.kv import KVManager
-from kvreplay.engine.model_runner import ModelRunner
+from kvreplay.engine.model_runner import ModelRunner, StepResult
+from kvreplay.engine.request import Request, check_request, prompt_token_ids
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.models.llama import LlamaModel
@@ -20,15 +21,6 @@ from kvreplay.outputs import CompletionOutput, RequestOutput
 from kvreplay.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    stream: bool
 
 
 @dataclass
@@ -90,14 +82,15 @@ class LLMEngine:
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=config.heavy_tokens, trim_order=config.trim_order,
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
-                                   layered_work=self._layered_work if config.layered_prefill else None)
+                                   layered_work=self._layered_work if config.layered_prefill else None,
+                                   replay_threshold=config.replay_threshold)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=config.need_layer_set,
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
                                   layered_chunk_tokens=config.max_num_batched_tokens)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
         self._next_id = 0
@@ -110,16 +103,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=True).input_ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                      for t in prompt):
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:5]}")
-            return list(prompt)
-        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,
@@ -134,37 +118,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+        max_tokens = check_request(token_ids, params, self.max_model_len, self.kv.capacity_tokens,
+                                   self.config.kv_cache_memory, protected_tokens, hot_from)
         num_prompt = len(token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt:,} tokens but the context is "
-                             f"{self.max_model_len:,}: shorten it (leave room for one output token)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt:,} tokens) + max_tokens ({max_tokens:,}) exceeds "
-                             f"the context of {self.max_model_len:,} tokens: lower max_tokens")
-        if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) \
-                or protected_tokens < 0:
-            raise ValueError(f"protected_tokens must be an integer >= 0, got {protected_tokens!r}")
-        capacity = self.kv.capacity_tokens
-        if protected_tokens > capacity:
-            raise ValueError(
-                f"the protected span has {protected_tokens:,} tokens but kv_cache_memory="
-                f"{self.config.kv_cache_memory!r} holds {capacity:,}: raise kv_cache_memory or "
-                f"protect less")
-        if num_prompt + max_tokens > capacity:
-            raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory!r} holds {capacity:,} tokens; this "
-                f"request needs up to {num_prompt + max_tokens:,} (prompt {num_prompt:,} + max_tokens "
-                f"{max_tokens:,}): raise kv_cache_memory or lower max_tokens")
-        if protected_tokens > num_prompt:
-            raise ValueError(f"protected_tokens={protected_tokens:,} is longer than the prompt "
-                             f"({num_prompt:,} tokens): protect a prefix of the prompt")
-        if hot_from is not None and (isinstance(hot_from, bool) or not isinstance(hot_from, int)
-                                     or not 0 <= hot_from <= num_prompt):
-            raise ValueError(f"hot_from must be None or a prompt position in [0, {num_prompt}], "
-                             f"got {hot_from!r}")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -186,7 +142,7 @@ class LLMEngine:
         if params.beam_width > 1:
             seqs[0].beam = BeamGroup(params.beam_width, max_tokens, seqs[0].stop_ids, live=[seqs[0]])
         self.scheduler.add(seqs[0])
-        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None,
+        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              token_ids, seqs, stream)
         self.counters.prompt_tokens += num_prompt
         return request_id
@@ -227,65 +183,18 @@ class LLMEngine:
         self.counters.steps += 1
         started = time.perf_counter()
         greedy = self._argmax_only(batch)
-        logits, sampled = self.runner.run(batch, greedy=greedy)  # with greedy: [S] token ids
-        cold = self.runner.last_cold
-        if batch.decodes:
-            self.counters.decode_seconds += time.perf_counter() - started
-            self.counters.hot_blocks_read += self.runner.last_hot_reads
-        if cold is not None:
-            self.counters.sparse_selected_blocks += cold.selected_blocks
-            self.counters.sparse_candidate_blocks += cold.candidate_blocks
-            self.counters.dequant_seconds += cold.dequant_seconds
-        prefilled = []
-        for seq, chunk in batch.prefills:
-            start = seq.num_computed_tokens
-            seq.stats.replayed_tokens += max(0, min(start + chunk, seq.replay_end) - start)
-            if self.kv.dropped_blocks(seq.seq_id):
-                seq.stats.approx_tokens += chunk  # attended without its dropped ranges
-            seq.num_computed_tokens += chunk
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.num_uncomputed_tokens == 0:
-                prefilled.append(seq)
-        self._finish_layered(batch, prefilled)
-        self._finish_replays(batch)
-        fired = self._need_fired()
-        for seq in batch.decodes:
-            if seq in fired:  # computed without a needed range: replay it, then redo this step
-                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
-                seq.needs_replay = True
-                continue
-            if self.kv.dropped_blocks(seq.seq_id):
-                seq.stats.approx_tokens += 1
-            seq.num_computed_tokens += 1
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        if fired:
-            keep = [row for row, seq in enumerate(sampled) if seq not in fired]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            sampled = [sampled[row] for row in keep]
+        result = self.runner.run(batch, greedy=greedy)  # with greedy: [S] token ids
+        self._count_run(batch, result, started)
+        prefilled = self._advance_chunks(batch)
+        logits, sampled = self._advance_decodes(batch, result)
         if any(seq.forks for seq in sampled):
             logits, sampled = self._fork(logits, sampled)
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         if any(seq.beam for seq in sampled):
             logits, sampled = step_beams(self, logits, sampled, touched)
         if sampled:
-            params = [seq.params for seq in sampled]
-            tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
-            chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
-            want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-            logprob_rows = {}
-            if want_logprobs:
-                index = torch.tensor(want_logprobs)
-                k = max(params[i].logprobs for i in want_logprobs)
-                for i, entry in zip(want_logprobs, top_logprobs(logits[index], tokens[index], k)):
-                    keep = params[i].logprobs
-                    chosen = chosen_ids[i]
-                    top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:keep])
-                    top[chosen] = entry[chosen]
-                    logprob_rows[i] = top
-            for row, seq in enumerate(sampled):
-                self._append(seq, chosen_ids[row], logprob_rows.get(row))
-                touched[seq.request_id] = self.requests[seq.request_id]
-        self.scheduler.trim_after_step(prefilled)
+            self._sample(logits, sampled, greedy, touched)
+        self.scheduler.end_step(prefilled)
         outputs = []
         for request in touched.values():
             done = all(seq.is_finished for seq in request.seqs)
@@ -295,6 +204,86 @@ class LLMEngine:
             if done or request.stream:
                 outputs.append(self._output(request))
         return outputs
+
+    def _count_run(self, batch: ScheduledBatch, result: StepResult, started: float) -> None:
+        if batch.decodes:
+            self.counters.decode_seconds += time.perf_counter() - started
+            self.counters.hot_blocks_read += result.hot_reads
+        if result.cold is not None:
+            self.counters.sparse_selected_blocks += result.cold.selected_blocks
+            self.counters.sparse_candidate_blocks += result.cold.candidate_blocks
+            self.counters.dequant_seconds += result.cold.dequant_seconds
+
+    def _advance_chunks(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Prefill, layered and replay chunks are computed: move each sequence on, commit its
+        full blocks, check replayed blocks. Returns the sequences whose prompt is now done."""
+        replay, prefilled = self.scheduler.replay, []
+        for seq, chunk in batch.prefills:
+            start = seq.num_computed_tokens
+            seq.stats.replayed_tokens += replay.replayed_tokens(seq, start, start + chunk)
+            if self.kv.dropped_blocks(seq.seq_id):
+                seq.stats.approx_tokens += chunk  # attended without its dropped ranges
+            seq.num_computed_tokens += chunk
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_uncomputed_tokens == 0:
+                prefilled.append(seq)
+        for seq, _ in batch.layers:
+            state = seq.layered
+            if state.next_layer < self.model_config.num_layers:
+                continue
+            seq.stats.replayed_tokens += replay.replayed_tokens(seq, state.start, state.end)
+            seq.num_computed_tokens = state.end
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, through_dropped=True)
+            self.kv.end_layered(seq.seq_id)
+            seq.layered = None
+            prefilled.append(seq)
+        for chunk in batch.replays:
+            mismatches = replay.check_replayed(chunk.seq, chunk.block_indices, chunk.num_tokens)
+            if mismatches:  # the replay did not reproduce the dropped K/V: recompute it all
+                self.counters.replay_mismatches += mismatches
+                self.scheduler.recompute(chunk.seq)
+        return prefilled
+
+    def _advance_decodes(self, batch: ScheduledBatch, result: StepResult) -> tuple[torch.Tensor, list[Sequence]]:
+        """Decode rows are computed: commit each, except those the need detector judged to
+        lack a needed range (they replay it, then redo this step). Returns the rows that sample."""
+        fired = self.scheduler.replay.judge_needs(result.needs)
+        self.counters.need_checks += len(result.needs)
+        self.counters.need_fires += len(fired)
+        for seq in batch.decodes:
+            if seq in fired:
+                self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+                continue
+            if self.kv.dropped_blocks(seq.seq_id):
+                seq.stats.approx_tokens += 1
+            seq.num_computed_tokens += 1
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        logits, sampled = result.logits, result.sampled
+        if fired:
+            keep = [row for row, seq in enumerate(sampled) if seq not in fired]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            sampled = [sampled[row] for row in keep]
+        return logits, sampled
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence], greedy: bool,
+                touched: dict[str, Request]) -> None:
+        """Pick each row's next token (given already when `greedy`), with its logprobs."""
+        params = [seq.params for seq in sampled]
+        tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
+        chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprob_rows = {}
+        if want_logprobs:
+            index = torch.tensor(want_logprobs)
+            k = max(params[i].logprobs for i in want_logprobs)
+            for i, entry in zip(want_logprobs, top_logprobs(logits[index], tokens[index], k)):
+                chosen = chosen_ids[i]
+                top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:params[i].logprobs])
+                top[chosen] = entry[chosen]
+                logprob_rows[i] = top
+        for row, seq in enumerate(sampled):
+            self._append(seq, chosen_ids[row], logprob_rows.get(row))
+            touched[seq.request_id] = self.requests[seq.request_id]
 
     @staticmethod
     def _argmax_only(batch: ScheduledBatch) -> bool:
@@ -312,49 +301,6 @@ class LLMEngine:
         dtype_bytes = torch.finfo(self.config.torch_dtype).bits // 8
         scratch = -(-end // block_size) * block_size * self.kv_bytes_per_token // cfg.num_layers
         return (end - start) * cfg.hidden_size * dtype_bytes + scratch
-
-    def _finish_layered(self, batch, prefilled: list) -> None:
-        """Layered prefills whose last layer ran: their range is computed."""
-        for seq, _ in batch.layers:
-            state = seq.layered
-            if state.next_layer < self.model_config.num_layers:
-                continue
-            seq.stats.replayed_tokens += max(0, min(state.end, seq.replay_end) - state.start)
-            seq.num_computed_tokens = state.end
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, through_dropped=True)
-            self.kv.end_layered(seq.seq_id)
-            seq.layered = None
-            prefilled.append(seq)
-
-    def _finish_replays(self, batch) -> None:
-        """Check each replayed block against its fingerprint; a mismatch means the replay did
-        not reproduce the dropped K/V, so the whole sequence is recomputed."""
-        for chunk in batch.replays:
-            seq = chunk.seq
-            seq.stats.replayed_tokens += chunk.num_tokens
-            mismatches = self.kv.finish_restore(seq.seq_id, chunk.block_indices, seq.token_ids)
-            if mismatches:
-                seq.stats.replay_mismatches += mismatches
-                self.counters.replay_mismatches += mismatches
-                logger.warning("request %s: %d replayed block(s) failed the fingerprint check; "
-                               "recomputing the sequence", seq.request_id, mismatches)
-                self.scheduler.recompute(seq)
-            elif not self.scheduler.replay_left(seq):
-                self.scheduler.end_replay(seq)
-
-    def _need_fired(self) -> set[Sequence]:
-        """Sequences whose dropped blocks the need detector judged needed at this step."""
-        threshold = self.config.replay_threshold
-        fired = set()
-        for seq, mass, flagged in zip(self.runner.probed, self.runner.probed_mass, self.runner.probed_flagged):
-            if mass > threshold or threshold == 0:
-                fired.add(seq)
-                # the replay brings back the dropped blocks up to the needed one, in order (or
-                # only it, when the prefix cache still holds it); threshold 0 asks for all
-                seq.replay_until = flagged if threshold > 0 else None
-        self.counters.need_checks += len(self.runner.probed)
-        self.counters.need_fires += len(fired)
-        return fired
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Start the waiting branches of each sequence that just finished its prompt: they share
@@ -407,7 +353,25 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def _output(self, request: _Request) -> RequestOutput:
+    # ------------------------------------------------------------------ beam search's host (beam.BeamHost)
+    def request_of(self, seq: Sequence) -> Request:
+        return self.requests[seq.request_id]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        self.scheduler.fork(parent, child)
+
+    def prune(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def complete(self, seq: Sequence, reason: str) -> None:
+        self._detokenize(seq)
+        self._finish(seq, reason)
+
+    def count_generated(self) -> None:
+        self.counters.generation_tokens += 1
+
+    def _output(self, request: Request) -> RequestOutput:
         completions = [CompletionOutput(seq.branch, seq.text, list(seq.output_token_ids),
                                         seq.finish_reason,
                                         list(seq.logprobs) if seq.params.logprobs is not None else None,

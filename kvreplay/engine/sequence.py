@@ -20,6 +20,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class ReplayState:
+    """A sequence's replay bookkeeping. Only the replay tracker (engine/replay.py) changes it."""
+    end: int = 0                 # tokens computed before the last pause; below it, prefill is replay
+    needed: bool = False         # the need detector fired: replay dropped ranges, redo the step
+    until: int | None = None     # ... up to and including this dropped block (None: all of them)
+    active: bool = False         # a replay of dropped ranges is under way (counted once)
+    last_step: int = -1          # scheduler step of the last replay: trimmed last under pressure
 
 
 @dataclass
@@ -57,13 +65,7 @@ class Sequence:
         self.stats = RequestStats(prompt_tokens=len(prompt_token_ids))
         self.max_tokens: int = params.max_tokens or 0  # filled in by the engine when None
         self.pinned_tokens = 0  # head kept through a pause: protected span and sinks
-        self.replay_end = 0     # tokens computed before the last pause; below it, prefill is replay
-        self.needs_replay = False   # the need detector fired: replay dropped ranges, redo the step
-        # ... up to and including this dropped block (the one it judged needed; None: all of them);
-        # cleared with needs_replay (Scheduler.end_replay)
-        self.replay_until: int | None = None
-        self.replaying = False      # a replay of dropped ranges is under way (counted once)
-        self.last_replay_step = -1  # scheduler step of the last replay: trimmed last under pressure
+        self.replay = ReplayState()
         self.hot_from: int | None = None  # first token of a chat's last rounds: kept hot by cold presets
         self.forks: list[Sequence] = []  # n > 1: branches that share this prompt's blocks once
                                          # its prefill is done

@@ -1,4 +1,4 @@
-"""The cold tier of SPEC §4: middle KV blocks kept quantized, dequantized on the fly for attention.
+"""The cold tier of docs/architecture.md §4: middle KV blocks kept quantized, dequantized on the fly for attention.
 
 Layout of one slot (one block: K and V of every layer and KV head), following KIVI:
 

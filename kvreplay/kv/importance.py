@@ -1,6 +1,6 @@
 """Observed attention mass per block: the importance signal that orders demotion and dropping.
 
-Two cheap observations feed it (SPEC §4 reclaim order; H2O and SnapKV in the literature):
+Two cheap observations feed it (docs/architecture.md §4 reclaim order; H2O and SnapKV in the literature):
 
 - prefill: when a prompt's last chunk runs, its last `OBSERVED_QUERIES` queries (the question at
   the end of a pasted document, the latest user turn) are scored against every key the chunk

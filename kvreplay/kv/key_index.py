@@ -1,4 +1,4 @@
-"""The key index of SPEC §4: int4 keys of dropped blocks, and the need detector that reads them.
+"""The key index of docs/architecture.md §4: int4 keys of dropped blocks, and the need detector that reads them.
 
 Values are not kept. Per slot (one dropped block), layer and KV head the index holds the block's
 keys as 4-bit codes with a per-channel min and max; min/max are also the block's Quest summary.
@@ -7,7 +7,7 @@ For SmolLM2-135M (3 KV heads x 64 dims, 16-token blocks) a slot is 2,304 bytes p
 layers the detector reads (`need_layers`): with 4 of 30 layers a dropped block costs 2.5% of its
 K and V instead of 19%.
 
-Need detection (SPEC §5 trigger 2): at a decode step, per layer and KV head, the Quest bound ranks
+Need detection (docs/architecture.md §5 trigger 2): at a decode step, per layer and KV head, the Quest bound ranks
 the sequence's dropped blocks; the top few are dequantized and scored against the step's queries.
 A block's estimated share of the head's attention is exp(lse_block - lse_total), where the total
 covers the resident keys and those top blocks only: leaving the other dropped blocks out can only

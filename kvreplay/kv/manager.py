@@ -6,7 +6,7 @@ act through it (`allocate`, `adopt_prefix`, `commit`, `fork`, `pause`, `free`); 
 mutates a block table. The cache tensors live here too; the model reads and writes rows of them
 through the slot mapping the runner derives from our block tables.
 
-A sequence's table, with its zones (SPEC §4) for the `full` policy:
+A sequence's table, with its zones (docs/architecture.md §4) for the `full` policy:
 
     | pinned: max(protected span, sink_tokens), whole blocks | the rest: dropped on pause |
     [ b7 ][ b2 ]                                             [ b9 ][ b4 ][ b5 (partial) ]

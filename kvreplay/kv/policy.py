@@ -2,7 +2,7 @@
 
 Watermarks are fractions of the KV pool counted in *referenced* blocks (unreferenced cached
 blocks are free: the pool evicts them lazily, least recently used first, which is the first and
-cheapest step of the reclaim order of SPEC §4):
+cheapest step of the reclaim order of docs/architecture.md §4):
 
     0 ---------------- low ------ admit ---------- high ------ 1
                         ^ reclaim  ^ admit new work  ^ reclaim
@@ -72,7 +72,7 @@ def pause_cost(dropped_tokens: int, freed_bytes: int) -> float:
     return dropped_tokens / freed_bytes if freed_bytes > 0 else math.inf
 
 
-# ---------------------------------------------------------------------- presets (SPEC §6)
+# ---------------------------------------------------------------------- presets (docs/architecture.md §6)
 TRIM_MODES = ("prefill", "pressure")
 TRIM_ORDERS = ("importance", "oldest")
 

@@ -68,7 +68,7 @@ class NeedProbe:
 
 @dataclass
 class ColdAttention:
-    """Cold blocks of each decoding sequence, attended beside its hot blocks (SPEC §6 sparse).
+    """Cold blocks of each decoding sequence, attended beside its hot blocks (docs/architecture.md §6 sparse).
 
     With `budget_blocks` set, each layer (past `dense_layers`) and KV head attends to the
     `budget_blocks` cold blocks with the highest Quest bound for its queries; else to all."""

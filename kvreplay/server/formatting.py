@@ -16,7 +16,7 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: s
 
 def usage(outputs: list[RequestOutput]) -> dict:
     """Token counts as OpenAI counts them (a prompt once, however many choices), plus `kv`: the
-    request's KV counters (SPEC §5) summed over all its sequences."""
+    request's KV counters (docs/architecture.md §5) summed over all its sequences."""
     completions = [completion for output in outputs for completion in output.outputs]
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     completion_tokens = sum(len(completion.token_ids) for completion in completions)

@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §7), prefix `kvreplay_`.
+"""Prometheus metrics (docs/architecture.md §7), prefix `kvreplay_`.
 
 Engine-side values come from the snapshot the engine thread publishes after each step, read at
 scrape time by a custom collector, so the HTTP thread never reads live engine state. Per-request

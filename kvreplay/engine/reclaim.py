@@ -1,0 +1,157 @@
+"""Reclaim: what leaves the hot tier, and in which order.
+
+The policy preset decides how middle blocks leave (demoted to the cold tier, dropped with their
+keys kept in the key index, or evicted for good); this module decides which, and when:
+
+- under pressure (`trim_for_room`): hot middle blocks first, then cold ones; sequences that
+  replayed most recently last; then the least observed attention (trim_order="importance", the
+  H2O/SnapKV scores in kv/importance.py) or the oldest position;
+- after a step (`trim_after_step`): sliding presets move what left the window out; `replay`
+  with trim="prefill" drops the middle of prompts whose prefill just ended; `resident_ratio`
+  caps each decoding sequence's resident KV.
+
+A middle block is never the protected head, the sinks, the window, a chat's hot rounds, or one
+of the `heavy_tokens` most attended middle blocks. The KV manager carries out every move.
+"""
+from __future__ import annotations
+
+from kvreplay.engine.replay import ReplayTracker
+from kvreplay.engine.sequence import Sequence
+from kvreplay.kv import KVManager
+from kvreplay.kv.policy import KVPolicy, middle_block_range
+
+RETRIM_AFTER_STEPS = 32  # steps after its last replay before resident_ratio trims a sequence again
+
+
+class Reclaimer:
+    def __init__(self, kv: KVManager, policy: KVPolicy, replay: ReplayTracker, running: list[Sequence],
+                 window_tokens: int = 512, trim: str = "pressure", heavy_tokens: int = 0,
+                 trim_order: str = "importance", resident_ratio: float | None = None):
+        self.kv = kv
+        self.policy = policy
+        self.replay = replay
+        self.running = running  # the scheduler's running list (read only here)
+        self.window_tokens = window_tokens
+        self.trim = trim
+        self.heavy_blocks = heavy_tokens // kv.block_size
+        self.by_importance = trim_order == "importance"
+        self.resident_ratio = resident_ratio
+        self.chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
+
+    def middle(self, seq: Sequence) -> list[int]:
+        """Hot middle blocks of `seq` that dropping would free, less its heavy hitters (the
+        `heavy_tokens` worth of middle blocks with the most observed attention)."""
+        if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
+            return []
+        hot_from = seq.hot_from if self.policy.demotes else None
+        blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, self.window_tokens,
+                                    self.kv.block_size, hot_from)
+        middle = self.kv.droppable(seq.seq_id, blocks)
+        heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
+        return [index for index in middle if index not in heavy]
+
+    def _order(self, seq: Sequence, indices: list[int], cold: int) -> list[tuple]:
+        """Reclaim order: sequences that replayed recently last; hot blocks before cold ones;
+        then the least observed attention (trim_order="importance") or the oldest block."""
+        scores = self.kv.importance.scores(seq.seq_id, indices) if self.by_importance else [0.0] * len(indices)
+        return [((seq.replay.last_step, cold, score, index, seq.seq_id), seq)
+                for score, index in zip(scores, indices)]
+
+    def trim_for_room(self, num_blocks: int, exclude: set[int] = frozenset(),
+                      target_used: int | None = None) -> bool:
+        """Take middle blocks out of the hot tier until `num_blocks` are free (or usage reaches
+        `target_used`): hot middle blocks first (demoted to cold, or dropped), then cold ones
+        (dropped), in reclaim order. True if anything moved."""
+        if not (self.policy.drops_middle or self.policy.demotes):
+            return False
+        drops_cold = self.policy.drops_middle and self.policy.demotes
+        candidates = []
+        for seq in self.running:
+            if seq.seq_id in exclude or not self._trimmable(seq):
+                continue
+            candidates += self._order(seq, self.middle(seq), 0)
+            if drops_cold and seq.beam is None:
+                candidates += self._order(seq, self.kv.cold_blocks(seq.seq_id), 1)
+        candidates.sort(key=lambda c: c[0])
+        moved = False
+        for (_, cold, _, index, _), seq in candidates:
+            if target_used is None and self.kv.num_free_blocks >= num_blocks:
+                break
+            if target_used is not None and self.kv.num_used_blocks <= target_used:
+                break
+            if cold:
+                self._drop_cold(seq, [index])
+            else:
+                self._evict(seq, [index])
+            moved = True
+        return moved
+
+    def _trimmable(self, seq: Sequence) -> bool:
+        """Not replaying, no prefill chunk in this batch, and, while it prefills, only when
+        later chunks may attend approximately (else they would replay at once)."""
+        if self.replay.wants_replay(seq) or seq.seq_id in self.chunked:
+            return False
+        return seq.num_uncomputed_tokens == 1 or self.replay.approx_prefill
+
+    def _drop_cold(self, seq: Sequence, indices: list[int]) -> None:
+        """Cold blocks leave the cold tier: dropped (their keys kept in the key index)."""
+        self.kv.drop_cold(seq.seq_id, indices, keep_index=self.policy.keeps_key_index)
+        seq.stats.dropped_tokens += len(indices) * self.kv.block_size
+
+    def _evict(self, seq: Sequence, block_indices: list[int]) -> None:
+        """Hot middle blocks leave the hot tier: demoted to cold, or dropped."""
+        if self.policy.demotes:
+            self.kv.demote(seq.seq_id, block_indices)
+            seq.stats.cold_blocks += len(block_indices)
+        else:
+            self.kv.drop(seq.seq_id, block_indices, keep_index=self.policy.keeps_key_index)
+            seq.stats.dropped_tokens += len(block_indices) * self.kv.block_size
+
+    def trim_after_step(self, prefilled: list[Sequence], step: int) -> None:
+        """Policy trimming at the end of a step: sliding presets (window, sparse, replay+cold)
+        move whatever left the window out of the hot tier; `replay` with trim="prefill" drops
+        the middle of prompts whose prefill just ended; then the `resident_ratio` cap."""
+        if self.policy.slides:
+            targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        elif self.policy.drops_middle and self.trim == "prefill":
+            targets = [seq for seq in prefilled if seq in self.running]
+        else:
+            return
+        for seq in targets:
+            blocks = self.middle(seq)
+            if blocks:
+                self._evict(seq, blocks)
+        if self.resident_ratio is not None and self.policy.drops_middle:
+            for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
+                replayed_lately = seq.replay.last_step >= 0 and \
+                    step - seq.replay.last_step <= RETRIM_AFTER_STEPS
+                if seq.num_uncomputed_tokens == 1 and not self.replay.wants_replay(seq) \
+                        and not replayed_lately:
+                    self._fit_ratio(seq)
+
+    def _fit_ratio(self, seq: Sequence) -> None:
+        """Drop `seq`'s middle blocks, least important first (cold ones once the hot middle is
+        gone), until its resident KV (hot + cold + key index) is within `resident_ratio` of
+        the blocks `full` would hold for it. A sequence that replayed in the last
+        `RETRIM_AFTER_STEPS` steps keeps its replayed middle: trimming it at once let the need
+        detector fire again at the next step, one replay per token."""
+        kv = self.kv
+        limit = self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
+        excess = kv.resident_bytes(seq.seq_id) - limit
+        if excess <= 0:
+            return
+        candidates = self._order(seq, self.middle(seq), 0)
+        if self.policy.demotes:
+            candidates += self._order(seq, kv.cold_blocks(seq.seq_id), 1)
+        keep_index = self.policy.keeps_key_index
+        chosen: tuple[list[int], list[int]] = ([], [])  # hot, cold table indices
+        for (_, cold, _, index, _), _ in sorted(candidates, key=lambda c: c[0]):
+            if excess <= 0:
+                break
+            chosen[cold].append(index)
+            excess -= kv.bytes_freed_by_drop(bool(cold), keep_index)
+        # one call per tier: after a replay this drops the whole middle again (~180 blocks for
+        # a 3,000-token prompt), and per-block calls cost ~0.4 ms each
+        kv.drop(seq.seq_id, chosen[0], keep_index=keep_index)
+        seq.stats.dropped_tokens += len(chosen[0]) * kv.block_size
+        self._drop_cold(seq, chosen[1])

@@ -1,0 +1,120 @@
+"""Replay tracking: the one owner of each sequence's replay state (`Sequence.replay`).
+
+A sequence replays when the need detector judged one of its dropped blocks needed (then only
+the dropped run up to that block), when a prefill chunk must see its dropped ranges, or when it
+resumes after a pause (its range past the kept head). A replay recomputes whole blocks at their
+original positions; each replayed block is checked against the fingerprint taken when it left,
+and a mismatch recomputes the whole sequence. docs/architecture.md draws the state machine.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvreplay.engine.sequence import Sequence
+from kvreplay.kv import KVManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NeedOutcome:
+    """What the need detector saw for one decoding sequence at one step: the largest share of
+    some head's attention any of its dropped blocks would take, and that block's table index."""
+    seq: Sequence
+    mass: float
+    flagged: int | None
+
+
+class ReplayTracker:
+    def __init__(self, kv: KVManager, approx_prefill: bool = False, threshold: float = 0.65):
+        self.kv = kv
+        self.approx_prefill = approx_prefill  # prefill chunks attend to what is resident instead
+        self.threshold = threshold            # need share above which a dropped block comes back
+
+    # ------------------------------------------------------------------ questions
+    def wants_replay(self, seq: Sequence) -> bool:
+        """Replay first: the detector asked, or a prefill chunk must see the dropped ranges
+        (a layered prefill computes its range whole: nothing before it is dropped)."""
+        return seq.replay.needed or (seq.num_uncomputed_tokens > 1 and not self.approx_prefill
+                                     and seq.layered is None
+                                     and bool(self.kv.dropped_blocks(seq.seq_id)))
+
+    def replay_left(self, seq: Sequence) -> list[int]:
+        """Dropped blocks the replay under way must still bring back, oldest first: all of them,
+        or for a need-replay with a judged block, those up to it while it is still dropped
+        (restored from the prefix cache, it needs nothing before it: cached K/V are exact)."""
+        dropped = self.kv.dropped_blocks(seq.seq_id)
+        until = seq.replay.until  # set only while a need-replay is asked for (end clears it)
+        if until is None:
+            return dropped
+        if until not in dropped:
+            return []
+        return [index for index in dropped if index <= until]
+
+    def replayed_tokens(self, seq: Sequence, start: int, end: int) -> int:
+        """Of positions [start, end) now computed, those that had been computed before a pause."""
+        return max(0, min(end, seq.replay.end) - start)
+
+    # ------------------------------------------------------------------ transitions
+    def restore_cached(self, seq: Sequence, step: int) -> bool:
+        """Take back dropped blocks still in the prefix cache: for a need-replay, the judged
+        block alone when the cache holds it, else those before it; otherwise all. False when
+        the replay has nothing left to bring back (it ends)."""
+        kv = self.kv
+        if seq.replay.until is None:
+            restored = kv.restore_cached(seq.seq_id, seq.token_ids)
+        else:
+            restored = kv.restore_cached(seq.seq_id, seq.token_ids, [seq.replay.until]) \
+                or kv.restore_cached(seq.seq_id, seq.token_ids, self.replay_left(seq))
+        if restored:
+            self.start(seq, step)
+        if self.replay_left(seq):
+            return True
+        self.end(seq)
+        return False
+
+    def start(self, seq: Sequence, step: int) -> None:
+        if not seq.replay.active:
+            seq.replay.active = True
+            seq.stats.replays += 1
+        seq.replay.last_step = step
+
+    def end(self, seq: Sequence) -> None:
+        seq.replay.needed = seq.replay.active = False
+        seq.replay.until = None
+
+    def paused(self, seq: Sequence, computed: int) -> None:
+        """`seq` was paused with `computed` tokens computed: what it recomputes up to there on
+        resume is replay."""
+        seq.replay.end = max(seq.replay.end, computed)
+        self.end(seq)
+
+    def resumed(self, seq: Sequence) -> None:
+        if seq.replay.end > seq.num_computed_tokens:
+            seq.stats.replays += 1
+
+    def judge_needs(self, outcomes: list[NeedOutcome]) -> set[Sequence]:
+        """Sequences whose dropped blocks the detector judged needed at this step: they replay
+        the dropped blocks up to the needed one, in order (or only it, when the prefix cache
+        still holds it), then redo the step; threshold 0 asks for every dropped block."""
+        fired = set()
+        for outcome in outcomes:
+            if outcome.mass > self.threshold or self.threshold == 0:
+                fired.add(outcome.seq)
+                outcome.seq.replay.until = outcome.flagged if self.threshold > 0 else None
+                outcome.seq.replay.needed = True
+        return fired
+
+    def check_replayed(self, seq: Sequence, block_indices: list[int], num_tokens: int) -> int:
+        """A replay chunk of `seq` has written its K/V: compare each block with its fingerprint.
+        Returns the mismatches (then the caller recomputes the whole sequence)."""
+        seq.stats.replayed_tokens += num_tokens
+        mismatches = self.kv.finish_restore(seq.seq_id, block_indices, seq.token_ids)
+        if mismatches:
+            seq.stats.replay_mismatches += mismatches
+            logger.warning("request %s: %d replayed block(s) failed the fingerprint check; "
+                           "recomputing the sequence", seq.request_id, mismatches)
+        elif not self.replay_left(seq):
+            self.end(seq)
+        return mismatches
