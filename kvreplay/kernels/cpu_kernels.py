@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.kernels.switches import check_kernel_switches
+from kvreplay.kernels.switches import check_kernel_switches, flag
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +57,10 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
     """KVREPLAY_CPU_KERNELS: unset, 1, true, yes or on builds and uses the kernels; 0, false, no or
-    off keeps the PyTorch path; anything else is a ValueError."""
-    value = os.environ.get("KVREPLAY_CPU_KERNELS", "").strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"KVREPLAY_CPU_KERNELS must be 1 or 0 (or true/false, yes/no, on/off), "
-                         f"got {os.environ['KVREPLAY_CPU_KERNELS']!r}")
-    return value in _ON
+    off keeps the PyTorch path; anything else is a ValueError (switches.flag)."""
+    return flag("KVREPLAY_CPU_KERNELS")
 
 
 def should_build() -> bool:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 
 from kvreplay.kernels import huge_pages
 from kvreplay.kernels import cpu_kernels
-from kvreplay.kernels.switches import is_set, switch
+from kvreplay.kernels.switches import choice, integer, is_set, switch
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +135,10 @@ def int_products_bits(available: bool = True) -> int:
     of its block's largest exact); 0: none. Unset: 8 where the kernel has them (`available`: its
     AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. Why 8 bits are the
     default, and what they cost: the module docstring (figures in docs/benchmarks.md)."""
-    value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
-    if value not in ("", "0", "1", "16", "8"):
-        raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
-    if value == "":
+    bits = choice("KVREPLAY_INT_PRODUCTS", {"0": 0, "1": 16, "16": 16, "8": 8})
+    if bits is None:
         return 8 if available and not is_set("KVREPLAY_QUANT_PANELS") else 0
-    return {"0": 0, "1": 16, "16": 16, "8": 8}[value]
+    return bits
 
 
 @functools.cache
@@ -153,14 +150,8 @@ def _warn_no_int_products() -> None:
 def machine_panel_rows() -> int:
     """Most rows a bf16 projection hands to the panel kernel on this machine (every count where
     oneDNN takes no bf16 products); KVREPLAY_PANEL_ROWS (0-128) overrides it."""
-    value = os.environ.get("KVREPLAY_PANEL_ROWS", "").strip()
-    if value:
-        try:
-            rows = int(value)
-        except ValueError:
-            rows = -1
-        if not 0 <= rows <= PANEL_ROWS:
-            raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
+    rows = integer("KVREPLAY_PANEL_ROWS", 0, PANEL_ROWS)
+    if rows is not None:
         return rows
     if not onednn_bf16_products():
         return PANEL_ROWS_ANY
