@@ -1,12 +1,16 @@
 """The environment's on/off switches: 1 or unset on, 0 off, anything else a clear ValueError."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvreplay.kernels import huge_pages
 from kvreplay.kernels import cpu_kernels
-from kvreplay.kernels.switches import KERNEL_SWITCHES, check_kernel_switches, switch
+from kvreplay.kernels.switches import (DECLARED, KERNEL_SWITCHES, VARIABLES, check_kernel_switches, choice,
+                                       integer, markdown_rows, switch)
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("", True), ("1", True), (" 0 ", False), ("0", False)])
@@ -59,3 +63,41 @@ def test_cpu_kernels_switch_refuses_a_typo(monkeypatch):
         cpu_kernels.enabled()
     with pytest.raises(ValueError, match="KVREPLAY_CPU_KERNELS"):
         cpu_kernels.layer_ops()
+
+
+def test_every_variable_read_is_declared_once():
+    """Every KVREPLAY_* name the package's Python names, and every one its kernels read with
+    getenv, has its row in switches.VARIABLES (one row each)."""
+    package = Path(__file__).resolve().parent.parent / "kvreplay"
+    named = set()
+    for path in package.rglob("*.py"):
+        named |= set(re.findall(r"KVREPLAY_[A-Z0-9_]+", path.read_text()))
+    for path in (package / "kernels" / "csrc").iterdir():
+        named |= set(re.findall(r'switched_off\("(KVREPLAY_[A-Z0-9_]+)"', path.read_text()))
+    assert len(DECLARED) == len(VARIABLES)
+    assert named == set(DECLARED)
+    assert set(KERNEL_SWITCHES) == {"KVREPLAY_AMX_PANELS", "KVREPLAY_AMX_ATTENTION"}
+
+
+def test_markdown_rows_list_every_variable():
+    rows = markdown_rows().splitlines()
+    assert rows[0].startswith("| Variable |") and len(rows) == 2 + len(VARIABLES)
+    assert all(f"`{v.name}`" in row for v, row in zip(VARIABLES, rows[2:]))
+
+
+def test_choice_and_integer_readers(monkeypatch):
+    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", " 16 ")
+    assert choice("KVREPLAY_INT_PRODUCTS", {"16": 16}) == 16
+    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "4")
+    with pytest.raises(ValueError, match=r"KVREPLAY_INT_PRODUCTS must be 0, 1 \(16-bit x\), 16 or 8, got '4'"):
+        choice("KVREPLAY_INT_PRODUCTS", {"16": 16})
+    monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", "")
+    assert choice("KVREPLAY_INT_PRODUCTS", {"16": 16}) is None
+    monkeypatch.delenv("KVREPLAY_PANEL_ROWS", raising=False)
+    assert integer("KVREPLAY_PANEL_ROWS", 0, 128) is None
+    monkeypatch.setenv("KVREPLAY_PANEL_ROWS", "128")
+    assert integer("KVREPLAY_PANEL_ROWS", 0, 128) == 128
+    for value in ("129", "-1", "eight"):
+        monkeypatch.setenv("KVREPLAY_PANEL_ROWS", value)
+        with pytest.raises(ValueError, match=f"KVREPLAY_PANEL_ROWS must be an integer from 0 to 128, got '{value}'"):
+            integer("KVREPLAY_PANEL_ROWS", 0, 128)

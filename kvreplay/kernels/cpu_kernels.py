@@ -3,16 +3,24 @@
 Two extensions, each returned as a namespace of torch ops or None (then the caller keeps its
 pure PyTorch path, which stays the reference):
 
-- `decode_attention()`: `torch.ops.kvreplay_cpu.decode_attention` (csrc/decode_attention.cpp),
-  paged decode attention. Same results within rounding: the kernel accumulates in fp32 where the
-  PyTorch path rounds scores and probabilities to the model dtype. `need_block_mass()`, from the
-  same source: the need detector's reading of the key index (KeyIndex.max_block_mass).
-- `layer_ops()`: `torch.ops.kvreplay_layer` (csrc/layer_ops.cpp), the decoder layer's glue
-  (residual add + RMSNorm, RoPE + cache write) as single ops with PyTorch's arithmetic.
+- `decode_attention()`: `torch.ops.kvreplay_cpu.decode_attention` (csrc/decode_attention.cpp,
+  which registers the extension's ops; block steps in csrc/attention.h), paged decode attention.
+  Same results within rounding: the kernel accumulates in fp32 where the PyTorch path rounds
+  scores and probabilities to the model dtype. From the same extension: `prefill_attention()`
+  (csrc/prefill_attention.cpp) and `need_block_mass()` (csrc/need_detector.cpp), the need
+  detector's reading of the key index (KeyIndex.max_block_mass).
+- `layer_ops()`: `torch.ops.kvreplay_layer` (csrc/layer_ops.cpp registers the ops; declarations
+  shared by its sources in csrc/layer_ops.h): the decoder layer's glue (residual add + RMSNorm,
+  RoPE + cache write, SiLU x up: csrc/layer_glue.cpp) as single ops with PyTorch's arithmetic,
+  the panel products (csrc/panels.cpp, with the kernels of csrc/panel_avx512.cpp,
+  csrc/panel_avx2.cpp and csrc/int_products.cpp), GGUF blocks as panels
+  (csrc/quant_blocks.cpp), argmax_rows (csrc/argmax.cpp) and the fused decoder layers
+  (csrc/decode_layers.cpp).
 
-Each build takes ~30 s the first time and is cached under torch's extension directory
-(~/.cache/torch_extensions), keyed by the hash of the source, the shared header (csrc/simd.h),
-the build flags and the CPU (model and instruction-set flags: the builds use -march=native).
+Each extension is its list of sources built together (one .so). A build takes ~30-60 s the
+first time and is cached under torch's extension directory (~/.cache/torch_extensions), keyed by
+the hash of the extension's sources and headers (csrc/simd.h and its own), the build flags and
+the CPU (model and instruction-set flags: the builds use -march=native).
 Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the PyTorch path).
 """
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -29,33 +36,31 @@ from typing import Any
 
 import torch
 
-from kvreplay.kernels.switches import check_kernel_switches
+from kvreplay.kernels.switches import check_kernel_switches, flag
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-# name -> (source, torch.ops namespace it registers, one of its ops, compiler flags)
+# name -> (sources built together (the first registers the ops), headers they include, torch.ops
+# namespace it registers, one of its ops, compiler flags); paths relative to csrc/
 _EXTENSIONS = {
-    "decode_attention": ("decode_attention.cpp", "kvreplay_cpu", "decode_attention",
+    "decode_attention": (["decode_attention.cpp", "prefill_attention.cpp", "need_detector.cpp"],
+                         ["simd.h", "attention.h"], "kvreplay_cpu", "decode_attention",
                          ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]),
     # no fast-math, no FMA contraction: its ops round exactly where PyTorch does
-    "layer_ops": ("layer_ops.cpp", "kvreplay_layer", "add_rms_norm", ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]),
+    "layer_ops": (["layer_ops.cpp", "layer_glue.cpp", "panels.cpp", "panel_avx512.cpp", "panel_avx2.cpp",
+                   "quant_blocks.cpp", "int_products.cpp", "argmax.cpp", "decode_layers.cpp"],
+                  ["simd.h", "layer_ops.h"], "kvreplay_layer", "add_rms_norm",
+                  ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]),
 }
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
     """KVREPLAY_CPU_KERNELS: unset, 1, true, yes or on builds and uses the kernels; 0, false, no or
-    off keeps the PyTorch path; anything else is a ValueError."""
-    value = os.environ.get("KVREPLAY_CPU_KERNELS", "").strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"KVREPLAY_CPU_KERNELS must be 1 or 0 (or true/false, yes/no, on/off), "
-                         f"got {os.environ['KVREPLAY_CPU_KERNELS']!r}")
-    return value in _ON
+    off keeps the PyTorch path; anything else is a ValueError (switches.flag)."""
+    return flag("KVREPLAY_CPU_KERNELS")
 
 
 def should_build() -> bool:
@@ -151,26 +156,24 @@ def build_name(name: str) -> str:
     """The cached build's module name: the extension's name and a hash of everything the build
     depends on. -march=native builds for this CPU, so a home directory shared by machines with
     other CPUs must not load it there: the CPU is part of the key."""
-    filename, _, _, flags = _EXTENSIONS[name]
-    source = (CSRC / filename).read_text()
-    headers = "".join(path.read_text() for path in sorted(CSRC.glob("*.h")))
-    key = source + headers + " ".join(flags) + _cpu_signature()
+    sources, headers, _, _, flags = _EXTENSIONS[name]
+    text = "".join(f"{filename}\n{(CSRC / filename).read_text()}" for filename in [*sources, *headers])
+    key = text + " ".join(flags) + _cpu_signature()
     return f"kvreplay_{name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _build(name: str) -> Any | None:
-    filename, namespace, op, flags = _EXTENSIONS[name]
+    sources, _, namespace, op, flags = _EXTENSIONS[name]
     if hasattr(getattr(torch.ops, namespace), op):
         return getattr(torch.ops, namespace)  # loaded already in this process
     try:
-        from torch.utils.cpp_extension import load_inline
-        source = (CSRC / filename).read_text()
+        from torch.utils.cpp_extension import load
         module = build_name(name)
         if not _is_built(module):  # a silent half-minute pause would look like a hang
             print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
-                  "machine, ~30 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
-        load_inline(name=module, cpp_sources=[source], is_python_module=False, extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
+                  "machine, ~30-60 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
+        load(name=module, sources=[str(CSRC / filename) for filename in sources], is_python_module=False,
+             extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
         return getattr(torch.ops, namespace)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the PyTorch path works
         log.warning("CPU %s kernel unavailable (%s: %s); using the PyTorch path", name,

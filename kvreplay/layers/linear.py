@@ -1,54 +1,26 @@
 """Weight projections (`y = x W^T + b`) in the fastest form the device offers.
 
-On CPU in bf16 two layouts of each weight are kept:
-- oneDNN's blocked layout, packed once at load time (a plain `F.linear` re-lays the matrix on
-  every call); bit-identical to `F.linear` on this torch build (tests/test_linear.py). Used above
-  `machine_panel_rows()` rows (prefill chunks, mixed steps).
-- a panel copy for the compiled `panel_linear` op (kvreplay/kernels/csrc/layer_ops.cpp) for
-  1-`machine_panel_rows()` rows, i.e. decode steps (on an AVX2-only CPU every row count: there
-  each thread widens a slice of a panel to fp32 at a time, fp32 FMAs, the same sums). On an
-  AVX512-BF16 CPU without AMX it runs on the vector units: at one row it streams the weights in
-  order (the whole decode step's matmuls in 6-8 ms where oneDNN's batch-1 path takes ~13), at
-  8-32 rows each weight load feeds up to 8 rows (~10 ms at batch 12, ~23 ms at batch 32 against
-  oneDNN's ~15 and ~28). On a CPU
-  with AMX tiles it runs on them: ~10.5 ms at 2-16 rows (the weights' stream from memory),
-  ~14.5 at 32, ~21.7 at 64, against oneDNN's ~14.5, ~17.5 and ~22.3; oneDNN wins from ~96 rows
-  (docs/benchmarks.md). fp32 sums like oneDNN's, in another order: results agree within one
-  bf16 rounding step, and a row's result does not depend on the other rows. The price is a
-  second copy of the weights in memory (+270 MB for the default model in bf16, +96 MB as blocks).
-For a GGUF model whose tensor is stored as Q4_0, Q4_1 or Q8_0 blocks (the embedded default: Q4_1
-projections, a Q8_0 embedding that is also the LM head) the panel copy keeps those blocks
-instead (`pack_quant_panels`: 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0, against 16) and the
-kernel expands them to bf16 as it goes, with gguf-py's arithmetic: the same bf16 weights, so the
-same bits as the bf16 panels (tests/test_quant_panels.py), and about a third of the bytes a
-decode step reads (docs/benchmarks.md). KVREPLAY_QUANT_PANELS=0 keeps bf16 panels.
-Where the kernel is its AVX2 build (`has_int_products`: AVX2 only, or AVX-512 without BF16) the
-blocks are kept for integer products instead, by default (KVREPLAY_INT_PRODUCTS=0 keeps the bf16
-panels, as does setting KVREPLAY_QUANT_PANELS), at one of two widths of x (`int_products_bits`).
-Unset, or KVREPLAY_INT_PRODUCTS=8: for the Q4 blocks x is rounded to 8 bits per 32-k block, 1/127
-of its block's largest (llama.cpp's arithmetic for them, and vLLM's GGUF kernels'; the Q8_0 LM
-head keeps 16): lossy (top-1 agreement with the fp32 model 96.3% against 98.0% for the bf16
-panels on 1,024 tokens of text, perplexity 12.754 against 12.728), and on a Zen 3 1.28x decode at
-batch 1 and 1.18x at batch 32 against the bf16 panels: the width that comes near 5x llama.cpp's
-single stream at batch 32 there (4.62-5.98x, met in 4 runs of 6; 5.21-5.52x in the 3 runs
-after the kernel work of the morning of 2026-12-02; 16-bit x 3.56-4.33x), the reason it is the
-default. KVREPLAY_INT_PRODUCTS=1 (or 16): x as 16-bit integers per 32-k block,
-each output the file's own weights times x (d * sum(q * x) + m * sum(x)), not the weights' bf16
-roundings: 99.7% of outputs are the exact product correctly rounded to bf16, against 58-70% for
-the bf16 panels, top-1 agreement 98.3%, perplexity 12.745; on a Zen 3 1.21x decode at batch 1,
-0.99x at batch 32, prefill alike. Either way 6 bits a weight (112 against 269 MB for the
-default model), and x rounded row by row (a row's products do not depend on the other rows).
-On a CPU where oneDNN takes no bf16 products (AVX2 only: a Zen 3, say; `onednn_bf16_products`)
-a bf16 projection keeps an fp32 copy of its weight and runs PyTorch's fp32 matmul, rounding the
-result to bf16: the same arithmetic as a bf16 product (exact products, fp32 sums, one rounding),
-where PyTorch's own bf16 matmul there is ~4x slower than fp32 (docs/benchmarks.md).
-Everything else (fp32, CUDA, a torch without oneDNN, no compiler) uses `F.linear` on the plain weight.
+On CPU in bf16 a weight can be kept in up to two layouts, each for the row counts where it wins:
+- oneDNN's blocked layout, packed once at load (a plain `F.linear` re-lays the matrix on every
+  call), bit-identical to `F.linear`: above `machine_panel_rows()` rows (prefill chunks).
+- a panel copy for the compiled `panel_linear` op: up to `machine_panel_rows()` rows (decode
+  steps; every row count on an AVX2-only CPU). It reads the weights strictly in order, so a
+  decode step runs at the speed weights stream from memory; fp32 sums like oneDNN's, in another
+  order (within one bf16 rounding step), and a row's result never depends on the other rows.
+  The cost is a second copy of the weights.
+A GGUF weight stored as Q4_0, Q4_1 or Q8_0 blocks keeps those blocks in its panel copy where that
+pays (`quant_panels_enabled`): the kernel expands them to the same bf16 weights as it goes, a
+third of the bytes to read. Where the kernel is its AVX2 build, the blocks serve integer
+products instead (`int_products_bits`: x at 8 bits by default, or 16).
+Where oneDNN takes no bf16 products (`onednn_bf16_products`) a bf16 weight outside the panel
+kernel's rows keeps an fp32 copy for PyTorch's fp32 matmul, rounded to bf16 (the same arithmetic
+as a bf16 product). Everything else (fp32, CUDA, no compiler) uses `F.linear` on the plain weight.
+How the kernels work: docs/kernels.md; measured figures: docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -57,7 +29,7 @@ import torch.nn.functional as F
 
 from kvreplay.kernels import huge_pages
 from kvreplay.kernels import cpu_kernels
-from kvreplay.kernels.switches import is_set, switch
+from kvreplay.kernels.switches import choice, integer, is_set, switch
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +43,14 @@ PANEL_ROWS_AMX = 64
 # ...and where oneDNN has the tiles but the panel kernel does not (an older compiler).
 PANEL_ROWS_AMX_ONEDNN_ONLY = 2
 # ...and where oneDNN takes no bf16 products (an AVX2-only CPU), every row count: there the panel
-# kernel beats PyTorch's fp32 matmul of the widened weights from 1 to 512 rows (1.1-3.4x,
-# docs/benchmarks.md), and a row's result then never depends on how many rows came with it.
+# kernel beats PyTorch's fp32 matmul of the widened weights at any row count measured
+# (docs/benchmarks.md), and a row's result then never depends on how many rows came with it.
 PANEL_ROWS_ANY = sys.maxsize
 
 
-# GGUF block formats the panel kernel reads as they are (layer_ops.cpp pack_quant_panels)
+# GGUF block formats the panel kernel reads as they are (csrc/quant_blocks.cpp pack_quant_panels)
 QUANT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-# Outputs in one panel of the panel kernel (layer_ops.cpp: kPanelTiles x 16)
+# Outputs in one panel of the panel kernel (csrc/layer_ops.h: kPanelTiles x 16)
 PANEL_OUTPUTS = 48
 
 
@@ -119,11 +91,8 @@ class QuantizedWeight:
 def quant_panels_enabled() -> bool:
     """Whether GGUF block weights keep their blocks in the panel copy: KVREPLAY_QUANT_PANELS=1
     yes, 0 no (bf16 panels like any other weight). Unset: yes where the CPU has AVX512-BF16 (or
-    is unknown), no without it (the AVX2 kernel's CPUs: AVX2 only, or AVX-512 without BF16),
-    where expanding a block weight to fp32 (its bf16 rounding, per weight) costs more than
-    reading the bf16 weight: on a Zen 3 a decode step's products took
-    20.7 against 13.6 ms at batch 1 and 76 against 61 ms at batch 32 (bench/machine_limits.py,
-    docs/benchmarks.md), for 173 MB more memory."""
+    is unknown); no without it, where widening blocks to fp32 per use costs more than reading
+    the bf16 weight (docs/kernels.md)."""
     if not is_set("KVREPLAY_QUANT_PANELS") and cpu_kernels.cpu_flags():
         return cpu_kernels.has_avx512_bf16()
     return switch("KVREPLAY_QUANT_PANELS")
@@ -131,17 +100,15 @@ def quant_panels_enabled() -> bool:
 
 def int_products_bits(available: bool = True) -> int:
     """The width x goes into integer products at, 0 for none: KVREPLAY_INT_PRODUCTS=8: 8 bits
-    for Q4_0 / Q4_1 blocks (x rounded to 1/127 of its 32-k block's largest, as llama.cpp and
-    vLLM's GGUF kernels do; Q8_0 blocks keep 16 bits); 1 (or 16): 16 bits (every bf16 x within 2^7
-    of its block's largest exact); 0: none. Unset: 8 where the kernel has them (`available`: its
-    AVX2 build) unless KVREPLAY_QUANT_PANELS asks for a form of its own. Why 8 bits are the
-    default, and what they cost: the module docstring (figures in docs/benchmarks.md)."""
-    value = os.environ.get("KVREPLAY_INT_PRODUCTS", "").strip()
-    if value not in ("", "0", "1", "16", "8"):
-        raise ValueError(f"KVREPLAY_INT_PRODUCTS must be 0, 1 (16-bit x), 16 or 8, got {value!r}")
-    if value == "":
+    for Q4_0 / Q4_1 blocks (x rounded to 1/127 of its 32-k block's largest, as llama.cpp does;
+    lossy; Q8_0 blocks keep 16 bits); 1 (or 16): 16 bits (the file's own weights times x, nearly
+    always exact); 0: none. Unset: 8 where the kernel has them (`available`: its AVX2 build),
+    the fastest form there, unless KVREPLAY_QUANT_PANELS asks for a form of its own. Accuracy
+    and speed of each width: docs/kernels.md."""
+    bits = choice("KVREPLAY_INT_PRODUCTS", {"0": 0, "1": 16, "16": 16, "8": 8})
+    if bits is None:
         return 8 if available and not is_set("KVREPLAY_QUANT_PANELS") else 0
-    return {"0": 0, "1": 16, "16": 16, "8": 8}[value]
+    return bits
 
 
 @functools.cache
@@ -153,14 +120,8 @@ def _warn_no_int_products() -> None:
 def machine_panel_rows() -> int:
     """Most rows a bf16 projection hands to the panel kernel on this machine (every count where
     oneDNN takes no bf16 products); KVREPLAY_PANEL_ROWS (0-128) overrides it."""
-    value = os.environ.get("KVREPLAY_PANEL_ROWS", "").strip()
-    if value:
-        try:
-            rows = int(value)
-        except ValueError:
-            rows = -1
-        if not 0 <= rows <= PANEL_ROWS:
-            raise ValueError(f"KVREPLAY_PANEL_ROWS must be an integer from 0 to {PANEL_ROWS}, got {value!r}")
+    rows = integer("KVREPLAY_PANEL_ROWS", 0, PANEL_ROWS)
+    if rows is not None:
         return rows
     if not onednn_bf16_products():
         return PANEL_ROWS_ANY
@@ -175,7 +136,7 @@ def machine_panel_rows() -> int:
 def onednn_bf16_products() -> bool:
     """Whether oneDNN takes bf16 products on this CPU. It needs AVX-512 (BW, VL, DQ) or
     AVX-NE-CONVERT: on an AVX2-only CPU (a Zen 3, say) its weight reorder refuses bf16, and
-    PyTorch's own bf16 matmul there is ~4x slower than its fp32 one. Tried once on a tiny weight."""
+    PyTorch's own bf16 matmul there is far slower than its fp32 one. Tried once on a tiny weight."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
@@ -321,7 +282,7 @@ class Projection:
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
         """`self(x).float()` (the LM head's logits); the panel kernel widens as it stores
-        instead of a second pass (~0.4 ms of a batch-32 decode step here)."""
+        instead of a second pass."""
         if self.on_panels(x):
             return self._in_order(self.panel_linear_float(x, self.panels, self.panel_bias))
         return self(x).float()
@@ -329,7 +290,7 @@ class Projection:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """`self.float_output(x).argmax(-1)` (the first index on ties, a NaN's if any): the LM
         head of a greedy step. The panel kernel keeps each row's running maximum instead of
-        storing the logits (~0.3 ms of a batch-32 decode step here, docs/benchmarks.md)."""
+        storing the logits and reading them again."""
         if self.panel_argmax is not None and self.output_order is None and self.on_panels(x):
             return self.panel_argmax(x, self.panels, self.panel_bias)
         return self.float_output(x).argmax(dim=-1)
