@@ -2,35 +2,15 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
+from kvreplay.validate import parse_bytes  # re-exported: kvreplay.config.parse_bytes
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_bytes(value: int | str) -> int:
-    """`268435456`, `"256MiB"`, `"1.5GB"` -> bytes."""
-    if isinstance(value, bool):
-        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        size = int(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot parse size {value!r}: use bytes or a unit like '256MiB', '2GB'")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    else:
-        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {type(value).__name__}")
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
