@@ -6,7 +6,7 @@ import sys
 
 
 def register(subparsers) -> None:
-    from kvreplay.cli import add_engine_args
+    from kvreplay.commands.flags import add_engine_args
     from kvreplay.server.config import ServerConfig
     defaults = ServerConfig()
     serve = subparsers.add_parser(
@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 
 def run_serve(args) -> int:
-    from kvreplay.cli import engine_config_from_args
+    from kvreplay.commands.flags import engine_config_from_args
     from kvreplay.server.config import ServerConfig, model_name_for
     config = ServerConfig(host=args.host, port=args.port,
                           served_model_name=args.served_model_name or model_name_for(args.model),
