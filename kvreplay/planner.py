@@ -41,9 +41,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from kvreplay.validate import check_choice, check_int
+
 SCALE_BYTES = 2     # fp16 scale / min per quantization group
 SUMMARY_BYTES = 2   # fp16 key min / max per block and channel
 
+INDEX_BITS = (2, 4, 8)  # widths of the replay key index
 KV_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                   "int8": 1, "fp8": 1}
 
@@ -70,9 +73,7 @@ class KVDims:
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), 1)
 
     @classmethod
     def from_model_config(cls, config, source: str) -> "KVDims":
@@ -114,15 +115,11 @@ class PlanKnobs:
     index_bits: int = 4
 
     def __post_init__(self):
-        if self.kv_dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; use one of {', '.join(KV_DTYPE_BYTES)}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        check_choice("KV dtype", self.kv_dtype, KV_DTYPE_BYTES)
+        check_int("block_size", self.block_size, 1)
         for name in ("sink_tokens", "window_tokens", "protected_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.index_bits not in (2, 4, 8):
-            raise ValueError(f"index_bits must be 2, 4 or 8, got {self.index_bits}")
+            check_int(name, getattr(self, name), 0)
+        check_choice("index_bits", self.index_bits, INDEX_BITS)
 
     @property
     def dtype_bytes(self) -> int:
@@ -142,8 +139,7 @@ class Zones:
 
     @classmethod
     def of(cls, context_tokens: int, knobs: PlanKnobs) -> "Zones":
-        if context_tokens <= 0:
-            raise ValueError(f"context length must be positive, got {context_tokens}")
+        check_int("context length", context_tokens, 1)
         block_size = knobs.block_size
         num_blocks = -(-context_tokens // block_size)
         head_blocks = min(num_blocks, -(-max(knobs.protected_tokens, knobs.sink_tokens) // block_size))

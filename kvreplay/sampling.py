@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvreplay.kernels import cpu_kernels
+from kvreplay.validate import check_int, check_number
 
 MAX_LOGPROBS = 20
 
@@ -45,19 +46,14 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature <= 100:
-            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check_int("top_k", self.top_k, minimum=-1)
-        _check_int("seed", self.seed, minimum=0, optional=True)
-        _check_int("n", self.n, minimum=1)
-        _check_int("logprobs", self.logprobs, minimum=0, optional=True)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
-        _check_int("beam_width", self.beam_width, minimum=1)
+        check_int("max_tokens", self.max_tokens, 1, optional=True)
+        check_number("temperature", self.temperature, 0, 100, what="a number")
+        check_number("top_p", self.top_p, 0, 1, low_open=True)
+        check_int("top_k", self.top_k, -1)
+        check_int("seed", self.seed, 0, optional=True)
+        check_int("n", self.n, 1)
+        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
+        check_int("beam_width", self.beam_width, 1)
         if self.beam_width > 1 and (self.n > 1 or self.stop or self.logprobs is not None):
             raise ValueError("beam search (beam_width > 1) returns one best sequence: use it with "
                              "n=1 and without stop strings or logprobs")
@@ -69,13 +65,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _check_int(name, value, minimum, optional=False):
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

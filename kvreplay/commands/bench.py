@@ -27,7 +27,7 @@ def _rate(text: str) -> float:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    from kvreplay.cli import add_engine_args
+    from kvreplay.commands.flags import add_engine_args
     parser.add_argument("--policies", type=_csv, default=None,
                         help="comma-separated KV policies to run side by side (default: --policy)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the full result as JSON here")
@@ -123,7 +123,7 @@ def run_serve(args) -> int:
     from kvreplay.bench.report import serve_markdown
     from kvreplay.bench.suite import serve_suite
     from kvreplay.bench.workload import WorkloadSpec
-    from kvreplay.cli import engine_config_from_args
+    from kvreplay.commands.flags import engine_config_from_args
     spec = WorkloadSpec(args.num_requests, args.request_rate, args.seed, args.length_scale,
                         args.output_tokens, args.num_warmup)
     config = engine_config_from_args(args)
@@ -137,7 +137,7 @@ def run_serve(args) -> int:
 def run_quality(args) -> int:
     from kvreplay.bench.quality import QualitySpec, quality_suite
     from kvreplay.bench.report import quality_markdown
-    from kvreplay.cli import engine_config_from_args
+    from kvreplay.commands.flags import engine_config_from_args
     spec = QualitySpec(tasks=tuple(args.tasks), lengths=tuple(args.lengths), depths=tuple(args.depths),
                        cases=args.cases, fidelity_prompts=args.fidelity_prompts,
                        fidelity_context=args.fidelity_context, fidelity_tokens=args.fidelity_tokens,

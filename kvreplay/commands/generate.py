@@ -23,7 +23,7 @@ def _sampling_params(args):
 
 
 def register(subparsers) -> None:
-    from kvreplay.cli import add_engine_args
+    from kvreplay.commands.flags import add_engine_args
     gen = subparsers.add_parser("generate", help="generate a completion for a prompt",
                                 description="Generate text for one or more prompts and print it.")
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
@@ -45,7 +45,7 @@ def register(subparsers) -> None:
 
 def _make_llm(args):
     from kvreplay.api import LLM
-    from kvreplay.cli import engine_config_from_args
+    from kvreplay.commands.flags import engine_config_from_args
     config = engine_config_from_args(args)
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     return LLM(**{k: getattr(config, k) for k in config.__dataclass_fields__})

@@ -48,14 +48,17 @@ def register(subparsers) -> None:
                       help="comma-separated, cold dtype as a suffix (default: %(default)s; also "
                            "replay+cold:int8)")
     knobs = parser.add_argument_group("knobs")
-    knobs.add_argument("--kv-dtype", default="bfloat16", choices=sorted(planner.KV_DTYPE_BYTES),
+    defaults = planner.PlanKnobs()
+    knobs.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(planner.KV_DTYPE_BYTES),
                        help="dtype of hot KV (default: %(default)s)")
-    knobs.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
-    knobs.add_argument("--sink-tokens", type=int, default=4, help="(default: %(default)s)")
-    knobs.add_argument("--window-tokens", type=int, default=512, help="(default: %(default)s)")
-    knobs.add_argument("--protected-tokens", type=int, default=0,
+    knobs.add_argument("--block-size", type=int, default=defaults.block_size,
+                       help="tokens per block (default: %(default)s)")
+    knobs.add_argument("--sink-tokens", type=int, default=defaults.sink_tokens, help="(default: %(default)s)")
+    knobs.add_argument("--window-tokens", type=int, default=defaults.window_tokens,
+                       help="(default: %(default)s)")
+    knobs.add_argument("--protected-tokens", type=int, default=defaults.protected_tokens,
                        help="system prompt / pinned tokens per request (default: %(default)s)")
-    knobs.add_argument("--index-bits", type=int, default=4, choices=[2, 4, 8],
+    knobs.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=planner.INDEX_BITS,
                        help="bits of the replay key index (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.set_defaults(func=run_plan)
@@ -82,7 +85,7 @@ def dims_from_args(args) -> planner.KVDims:
 
 
 def run_plan(args) -> int:
-    from kvreplay.config import parse_bytes
+    from kvreplay.validate import parse_bytes
     dims = dims_from_args(args)
     knobs = planner.PlanKnobs(args.block_size, args.sink_tokens, args.window_tokens,
                               args.protected_tokens, args.kv_dtype, args.index_bits)

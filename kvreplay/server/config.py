@@ -1,50 +1,56 @@
-"""Server settings (the engine has its own EngineConfig)."""
+"""Server settings (the engine has its own EngineConfig). Each field is declared with its help,
+default and check (kvreplay.validate.knob); `kvreplay serve`'s server flags are generated from
+them (kvreplay.commands.flags)."""
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvreplay.validate import boolean, check_knobs, ints, knob, knob_docs, numbers
+
 DEFAULT_MODEL_NAME = "kvreplay-default"
+API_KEY_ENV = "KVREPLAY_API_KEY"
 
 
+def _non_empty_name(name, value, owner):
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+    return value
+
+
+def _real_key(name, value, owner):
+    if value is not None and not value.strip():
+        raise ValueError(f"{name} is empty: give a real key or leave it unset")
+    return value
+
+
+@knob_docs
 @dataclass
 class ServerConfig:
-    """Knobs of the HTTP server.
-
-    Attributes:
-        host: address to bind; loopback unless told otherwise.
-        port: TCP port (0: any free one).
-        served_model_name: the model id clients name in requests and see in /v1/models.
-        api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
-        max_queued_seqs: sequences (prompts x n) admitted and unfinished at most; beyond it
-            requests get 429 at once.
-        max_request_bytes: largest request body accepted (413 beyond it).
-        shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before being aborted.
-        debug_endpoints: serve GET /debug/kv (KV pool state and an integrity check).
-    """
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str = DEFAULT_MODEL_NAME
-    api_key: str | None = None
-    max_queued_seqs: int = 256
-    max_request_bytes: int = 1 << 20
-    shutdown_timeout_s: float = 10.0
-    debug_endpoints: bool = False
+    """Knobs of the HTTP server; each field's help below is also its `kvreplay serve` flag's."""
+    host: str = knob("127.0.0.1", "address to bind; loopback unless told otherwise")
+    port: int = knob(8000, "TCP port (0: any free one)", check=ints(0, 65535))
+    served_model_name: str = knob(
+        DEFAULT_MODEL_NAME, "the model id clients name in requests and see in /v1/models",
+        cli_default=None, default_help=f"{DEFAULT_MODEL_NAME}, or the stem of --model",
+        check=_non_empty_name)
+    api_key: str | None = knob(
+        None, "when set, every route but /health needs 'Authorization: Bearer KEY'",
+        default_help=f"${API_KEY_ENV} for the flag, else no key", check=_real_key)
+    max_queued_seqs: int = knob(
+        256, "sequences (prompts x n) admitted and unfinished at most; beyond it requests get "
+             "429 at once", check=ints(1))
+    max_request_bytes: int = knob(
+        1 << 20, "largest request body accepted (413 beyond it)", check=ints(1))
+    shutdown_timeout_s: float = knob(
+        10.0, "seconds in-flight requests may run after SIGTERM before they are aborted",
+        flag="--shutdown-timeout", check=numbers(0))
+    debug_endpoints: bool = knob(
+        False, "serve GET /debug/kv (KV pool state and an integrity check)", check=boolean)
 
     def __post_init__(self):
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        if not self.served_model_name:
-            raise ValueError("served_model_name must not be empty")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key is empty: give a real key or leave it unset")
-        for name in ("max_queued_seqs", "max_request_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s!r}")
+        check_knobs(self)
 
     @property
     def is_loopback(self) -> bool:
