@@ -7,7 +7,7 @@ element of the hot KV dtype, bs tokens per block, T tokens of context.
     block bytes     = bs x bytes per token
     blocks          = ceil(T / bs); rounding waste = blocks x bs - T tokens
 
-Zones (SPEC §4) in whole blocks. P = max(protected_tokens, sink_tokens), W = window_tokens:
+Zones (docs/architecture.md §4) in whole blocks. P = max(protected_tokens, sink_tokens), W = window_tokens:
 
     token     0                 P                               T-W              T
               | protected+sinks |            middle              |    window     |

@@ -39,7 +39,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="serving and quality benchmarks per KV policy",
-                                  description="Benchmarks of SPEC §8. Run `kvreplay bench serve --help`, "
+                                  description="Benchmarks (see docs/architecture.md §8). Run `kvreplay bench serve --help`, "
                                               "`kvreplay bench quality --help` or "
                                               "`kvreplay bench throughput --help`.")
     commands = bench.add_subparsers(dest="bench_command", metavar="{serve,quality,throughput,plot}")
@@ -47,7 +47,7 @@ def register(subparsers) -> None:
 
     serve = commands.add_parser(
         "serve", help="latency and throughput under a seeded workload",
-        description="Replay the SPEC §8 workload (70% < 1K, 20% 1K-4K, 10% 4K-7.5K prompt tokens, "
+        description="Replay the serving workload of docs/architecture.md §8 (70% < 1K, 20% 1K-4K, 10% 4K-7.5K prompt tokens, "
                     "times --length-scale; Poisson or burst arrivals; seeded; warmup first) through "
                     "the engine in-process or a server URL. Reports TTFT, TPOT = (E2E-TTFT)/(N-1), "
                     "ITL, E2E (mean/p50/p99), throughputs, peak KV per tier, pauses and replays.")
