@@ -85,6 +85,12 @@ def test_markdown_rows_list_every_variable():
     assert all(f"`{v.name}`" in row for v, row in zip(VARIABLES, rows[2:]))
 
 
+def test_docs_show_the_declared_table():
+    """docs/kernels.md's table of variables is the one switches.py declares, as rendered."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    assert markdown_rows() in page
+
+
 def test_choice_and_integer_readers(monkeypatch):
     monkeypatch.setenv("KVREPLAY_INT_PRODUCTS", " 16 ")
     assert choice("KVREPLAY_INT_PRODUCTS", {"16": 16}) == 16
