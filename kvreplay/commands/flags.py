@@ -19,6 +19,8 @@ def _flag_kwargs(f) -> tuple[str, dict]:
     default = meta["cli_default"] if meta["cli_default"] is not MISSING else field_default(f)
     help_text = meta["help"].replace("%", "%%")
     if isinstance(default, bool):
+        if default and not meta["flag"]:  # "--enable-x" would read as turning it on
+            raise ValueError(f"{f.name} defaults to True: its knob needs a flag that turns it off")
         state = "off" if default is False else "on; this flag turns it off"
         return flag, dict(dest=f.name, action="store_false" if default else "store_true",
                           help=f"{help_text} (default: {state})")
