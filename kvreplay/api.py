@@ -15,14 +15,8 @@ Message = dict[str, str]
 class LLM:
     """An engine for offline batch generation.
 
-    Args:
-        model: a .gguf file, a Hugging Face model directory, or None for the embedded
-            SmolLM2-135M-Instruct.
-        dtype: "bfloat16" (fast) or "float32" (exact).
-        device: "cpu" or "cuda[:N]"; None: $KVREPLAY_DEVICE, else "cpu".
-        kv_cache_memory: KV cache budget, bytes or a string like "256MiB".
-        policy: KV policy preset ("full").
-        **knobs: any other `EngineConfig` field (block_size, max_num_batched_tokens, ...).
+    Every keyword is an `EngineConfig` field (model, dtype, device, kv_cache_memory, policy
+    and **knobs for the rest); each field's help there is its one description.
 
     Example:
         >>> llm = LLM(dtype="float32")
