@@ -14,6 +14,8 @@ from kvreplay.validate import (applying, boolean, check_choice, check_int, check
                                knob_docs, numbers, one_of, parse_bytes)  # parse_bytes: re-exported
 
 
+AUTO = "auto"  # a knob the engine chooses for the model (kvreplay/engine/calibration.py)
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -28,10 +30,13 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     return _DTYPES[value]
 
 
-def parse_layers(value) -> frozenset[int] | None:
-    """None, an iterable of ints, or a string like "7,20-23" -> a set of layer indices."""
-    if value is None:
+def parse_layers(value) -> frozenset[int] | str | None:
+    """"auto" (kept: the engine calibrates it), None or "all" (every layer: None), an iterable of
+    ints, or a string like "7,20-23" -> a set of layer indices."""
+    if value is None or value == "all":
         return None
+    if value == AUTO:
+        return AUTO
     if isinstance(value, str):
         layers = set()
         try:
@@ -39,12 +44,23 @@ def parse_layers(value) -> frozenset[int] | None:
                 first, _, last = part.strip().partition("-")
                 layers.update(range(int(first), int(last or first) + 1))
         except ValueError:
-            raise ValueError(f"cannot parse layers {value!r}: use e.g. '20-23' or '7,20-23'") from None
+            raise ValueError(f"cannot parse layers {value!r}: use auto, all, or e.g. '20-23' or "
+                             f"'7,20-23'") from None
     else:
         layers = set(value)
     if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
         raise ValueError(f"layers must be non-negative integers, got {value!r}")
     return frozenset(layers)
+
+
+def int_or_auto(text: str) -> int | str:
+    """A flag's value: "auto" or an integer."""
+    return text if text == AUTO else int(text)
+
+
+def check_heavy_tokens(name: str, value, owner) -> None:
+    if value != AUTO:
+        check_int(name, value, 0)
 
 
 DEVICE_ENV = "KVREPLAY_DEVICE"
@@ -135,10 +151,10 @@ class EngineConfig:
         False, "replay: a prefill chunk of a sequence with dropped ranges attends to what is "
                "resident instead of replaying them first", check=boolean)
     need_layers: str | tuple[int, ...] | None = knob(
-        None, "replay: layers the need detector reads, e.g. 20-23 or 7,20-23; `python "
-              "bench/need_probe.py` shows where a model's retrieval heads are (layers 20-23 on "
-              "SmolLM2-135M, docs/benchmarks/replay.md)",
-        default_help="all", check=applying(parse_layers), parsed="need_layer_set")
+        AUTO, "replay: layers the need detector reads: auto (chosen for the model by a calibration "
+              "pass on planted facts at its first load, cached per model file; 18,20-21,23 on "
+              "SmolLM2-135M), all, or a list like 20-23 or 7,20-23",
+        check=applying(parse_layers), parsed="need_layer_set")
     cold_dtype: str = knob(
         "int8", "storage of cold blocks (sparse, replay+cold)", choices=COLD_KINDS,
         check=one_of(COLD_KINDS))
@@ -150,10 +166,11 @@ class EngineConfig:
     dense_layers: int = knob(
         0, "first layers that attend to every cold block whatever sparse_budget says",
         check=ints(0))
-    heavy_tokens: int = knob(
-        0, "middle tokens per sequence kept hot beside the window: the blocks with the most "
-           "observed attention (kvreplay.kv.importance: the prompt's last queries, then every "
-           "decode step), H2O's heavy hitters (0: none)", check=ints(0))
+    heavy_tokens: int | str = knob(
+        AUTO, "middle tokens per sequence kept hot beside the window: the blocks with the most "
+              "observed attention (kvreplay.kv.importance: the prompt's last queries, then every "
+              "decode step), H2O's heavy hitters; auto: for replay and replay+cold the calibration "
+              "pass's figure (32 on SmolLM2-135M), else 0", type=int_or_auto, check=check_heavy_tokens)
     trim_order: str = knob(
         "importance", "which middle blocks reclaim demotes or drops first: importance (least "
                       "observed attention first) or oldest (lowest positions first)",

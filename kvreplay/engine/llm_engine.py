@@ -10,6 +10,7 @@ import torch
 
 from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
+from kvreplay.engine.calibration import replay_knobs
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request, prompt_token_ids
@@ -67,25 +68,27 @@ class LLMEngine:
                 f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
                 f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
         cfg = self.model_config
-        if config.need_layer_set and max(config.need_layer_set) >= cfg.num_layers:
+        need_layers, heavy_tokens, self.calibration = replay_knobs(config, self.model, self.tokenizer,
+                                                                   self.model_source)
+        if need_layers and max(need_layers) >= cfg.num_layers:
             raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
                              f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
                             cfg.head_dim, config.torch_dtype, config.device,
                             enable_prefix_caching=config.enable_prefix_caching,
                             cold_dtype=config.cold_dtype if config.kv_policy.demotes else None,
-                            index_layers=config.need_layer_set)
+                            index_layers=need_layers)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.watermark_levels, config.pause_mode,
                                    block_bytes=self.kv_bytes_per_token * config.block_size,
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill,
-                                   heavy_tokens=config.heavy_tokens, trim_order=config.trim_order,
+                                   heavy_tokens=heavy_tokens, trim_order=config.trim_order,
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
                                    layered_work=self._layered_work if config.layered_prefill else None,
                                    replay_threshold=config.replay_threshold)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
-                                  need_layers=config.need_layer_set,
+                                  need_layers=need_layers,
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,

@@ -37,6 +37,7 @@ class PrefillSlice:
     # causal_from + j (plain causal attention); None when the keys are a resident subset.
     causal_from: int | None = None
     mass: torch.Tensor | None = None  # [context blocks] their block mass, summed over layers
+    layer_masses: list | None = None  # when a list: each layer's block mass appended (calibration)
 
 
 @dataclass
@@ -214,6 +215,8 @@ def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tenso
     probs = F.pad(probs, (0, -context % block_size))
     mass = block_mass(probs, block_size)                                       # [context blocks]
     chunk.mass = mass if chunk.mass is None else chunk.mass + mass
+    if chunk.layer_masses is not None:
+        chunk.layer_masses.append(mass)
 
 
 def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, num_kv: int,

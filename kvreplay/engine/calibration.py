@@ -1,0 +1,219 @@
+"""The replay knobs a model needs, found by the model itself: which layers the need detector reads
+and how many middle tokens stay hot as heavy hitters (docs/architecture.md §5, "Defaults").
+
+A calibration pass plants a fact ("The secret number of <name> is <5 digits>.") in real text
+(CPython's pydoc_data.topics) and runs each case once with full attention, observing attention in
+every layer at two points of the same prompt:
+
+    | sinks | text ... needle ... text ...  [ordinary]  text | question, answer digits [planted] |
+
+- planted: the queries that copy the answer's digits (the decode steps that need the fact): per
+  layer, the largest share any head gives the needle's blocks;
+- ordinary: the last queries of plain text further on: per layer, the largest share any head
+  gives one middle block other than the needle's (what would make the detector fire for
+  nothing).
+
+The detector reads the `ceil(layers / 8)` layers with the largest mean planted share less mean
+ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). The heavy-hitter
+budget is the smallest number of middle blocks that held the needle's block among the most
+observed ones (the prompt's last queries, as the engine scores them) in every case: at least 2,
+at most 8 blocks. Models with fewer than 8 layers, or without a file to key the result by, skip
+the pass and read every layer with 2 heavy blocks.
+
+The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
+the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
+(six 1,024-token prefills).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvreplay.kv import KVManager
+from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+CASES = 6
+CASE_TOKENS = 1024
+OBSERVED = 4           # queries observed at each point
+WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
+MIN_LAYERS = 8
+HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
+NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
+         "the night train", "the glass garden")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    need_layers: tuple[int, ...]
+    heavy_tokens: int
+    source: str                 # "calibrated", "cached" or why no pass ran
+    planted: tuple[float, ...] = ()   # per layer: mean share on the needle at the answer
+    ordinary: tuple[float, ...] = ()  # per layer: mean largest other middle block share
+
+    def describe(self) -> str:
+        return f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens} ({self.source})"
+
+
+def format_layers(layers) -> str:
+    """(20, 21, 22, 23) -> "20-23"; (3, 7, 8) -> "3,7-8"."""
+    parts, layers = [], sorted(layers)
+    start = prev = None
+    for layer in layers + [None]:
+        if start is not None and layer == prev + 1:
+            prev = layer
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = layer
+    return ",".join(parts)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvreplay" / "calibration"
+
+
+def model_digest(source: str) -> str | None:
+    """sha256 of the model file (or of a model directory's weight and config files), None when
+    there is no file."""
+    path = Path(source)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json", ".gguf"))
+    else:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
+    """The cached calibration of this model and block size, else a fresh pass (then cached)."""
+    num_layers = model.config.num_layers
+    if num_layers < MIN_LAYERS:
+        return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size,
+                           f"every layer: fewer than {MIN_LAYERS} layers")
+    digest = model_digest(source)
+    if digest is None:
+        return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size,
+                           "every layer: no model file to key a calibration by")
+    dtype = str(model.dtype).removeprefix("torch.")
+    path = cache_dir() / f"{digest[:32]}-{dtype}-b{block_size}-v{VERSION}.json"
+    try:
+        saved = json.loads(path.read_text())
+        return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
+                           tuple(saved["planted"]), tuple(saved["ordinary"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    logger.info("calibrating the replay defaults of %s (once per model: %d planted facts)", source, CASES)
+    result = calibrate(model, tokenizer, block_size, prefill_kernel)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({k: v for k, v in asdict(result).items() if k != "source"}))
+        temporary.replace(path)
+    except OSError as error:  # a read-only home: the pass runs again next time
+        logger.warning("could not cache the calibration in %s: %s", path, error)
+    return result
+
+
+def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int = CASES,
+              seed: int = 0) -> Calibration:
+    """Run the planted-fact cases and choose the detector's layers and the heavy budget."""
+    from pydoc_data.topics import topics
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    corpus = encode("\n\n".join(topics[key] for key in sorted(topics))[:200_000])
+    rng = random.Random(seed)
+    planted, ordinary, ranks = [], [], []
+    for case in range(cases):
+        name, value = NAMES[case % len(NAMES)], str(rng.randrange(10_000, 100_000))
+        needle = encode(f"\nThe secret number of {name} is {value}.\n")
+        question = encode(f"\n\nQuestion: What is the secret number of {name}?\n"
+                          f"Answer: The secret number of {name} is")
+        digits = encode(f" {value}")[:OBSERVED - 1]
+        hay_tokens = CASE_TOKENS - len(needle) - len(question) - len(digits)
+        offset = rng.randrange(len(corpus) - hay_tokens)
+        hay = corpus[offset:offset + hay_tokens]
+        at = int(len(hay) * rng.uniform(0.15, 0.45))
+        tokens = hay[:at] + needle + hay[at:] + question + digits
+        needle_blocks = range(at // block_size, (at + len(needle) - 1) // block_size + 1)
+        ordinary_end = at + len(needle) + int(0.6 * (len(hay) - at))
+        question_end = len(tokens) - len(digits)
+        layers = _observe(model, tokens, block_size, (ordinary_end, question_end, len(tokens)),
+                          prefill_kernel)
+        at_ordinary, at_question, at_answer = layers
+        middle = [b for b in range(1, (ordinary_end - WINDOW_TOKENS) // block_size) if b not in needle_blocks]
+        planted.append(at_answer[:, list(needle_blocks)].amax(-1))                  # [L]
+        ordinary.append(at_ordinary[:, middle].amax(-1))                           # [L]
+        importance = at_question.sum(0)  # the engine's score: summed over layers
+        candidates = [b for b in range(1, (question_end - WINDOW_TOKENS) // block_size)]
+        order = sorted(candidates, key=lambda b: (-float(importance[b]), b))
+        ranks.append(min(order.index(b) for b in needle_blocks if b in order))
+    planted_mean = torch.stack(planted).mean(0)
+    ordinary_mean = torch.stack(ordinary).mean(0)
+    count = math.ceil(model.config.num_layers / MIN_LAYERS)
+    chosen = torch.argsort(planted_mean - ordinary_mean, descending=True, stable=True)[:count]
+    heavy_blocks = min(max(max(ranks) + 1, HEAVY_BLOCKS[0]), HEAVY_BLOCKS[1])
+    return Calibration(tuple(sorted(int(i) for i in chosen)), heavy_blocks * block_size, "calibrated",
+                       tuple(round(float(v), 4) for v in planted_mean),
+                       tuple(round(float(v), 4) for v in ordinary_mean))
+
+
+@torch.inference_mode()
+def _observe(model, tokens: list[int], block_size: int, ends: tuple[int, ...],
+             prefill_kernel=None) -> list[torch.Tensor]:
+    """Prefill `tokens` in chunks ending at `ends`, observing each chunk's last OBSERVED queries
+    in every layer: one [layers, blocks] tensor of block mass per end."""
+    cfg, device = model.config, model.device
+    num_blocks = -(-len(tokens) // block_size)
+    kv = KVManager(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    table = torch.arange(num_blocks, dtype=torch.long)
+    observed, start = [], 0
+    for end in ends:
+        positions = torch.arange(start, end)
+        slots = table[positions // block_size] * block_size + positions % block_size
+        mask = None if start == 0 else (torch.arange(end)[None, :] <= positions[:, None]).to(device)
+        chunk = PrefillSlice(0, end - start, end, table[:-(-end // block_size)].to(device), mask,
+                             observe=OBSERVED, causal_from=start, layer_masses=[])
+        model.forward(torch.tensor(tokens[start:end], device=device), positions.to(device), kv.kv_caches,
+                      AttentionMetadata(slot_mapping=slots.to(device), prefills=[chunk],
+                                        prefill_kernel=prefill_kernel),
+                      torch.tensor([end - start - 1], dtype=torch.long, device=device))
+        observed.append(torch.stack([m.float().cpu() for m in chunk.layer_masses]))
+        start = end
+    return observed
+
+
+def replay_knobs(config, model, tokenizer, source: str) -> tuple[frozenset[int] | None, int, Calibration | None]:
+    """The need detector's layers (None: all) and the heavy-hitter budget in tokens for this
+    engine: the configured values, with "auto" resolved by the model's calibration for the
+    policies that replay on need (need_layers: otherwise unused; heavy_tokens: otherwise 0)."""
+    from kvreplay.config import AUTO
+    from kvreplay.kernels import cpu_kernels
+    replays = config.kv_policy.replays_on_need
+    layers, heavy = config.need_layer_set, config.heavy_tokens
+    calibration = None
+    if replays and AUTO in (layers, heavy):
+        kernel = cpu_kernels.prefill_attention() \
+            if model.device.type == "cpu" and model.dtype == torch.bfloat16 else None
+        calibration = calibrated_defaults(model, tokenizer, source, config.block_size, kernel)
+        logger.info("replay knobs for this model: %s", calibration.describe())
+    if layers == AUTO:
+        layers = frozenset(calibration.need_layers) if calibration else None
+    if heavy == AUTO:
+        heavy = calibration.heavy_tokens if calibration else 0
+    return layers, heavy, calibration

@@ -1,0 +1,111 @@
+"""The replay knobs chosen per model (kvreplay/engine/calibration.py): the calibration pass on the
+real model, its cache, and how "auto" resolves per policy."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvreplay.config import EngineConfig
+from kvreplay.engine import calibration
+from kvreplay.engine.calibration import Calibration, calibrated_defaults, format_layers, replay_knobs
+
+
+def test_format_layers():
+    assert format_layers((20, 21, 22, 23)) == "20-23"
+    assert format_layers([23, 3, 7, 8]) == "3,7-8,23"
+    assert format_layers([5]) == "5"
+
+
+def test_config_accepts_auto_all_and_lists():
+    config = EngineConfig()
+    assert config.need_layers == "auto" and config.heavy_tokens == "auto"
+    assert EngineConfig(need_layers="all").need_layer_set is None
+    assert EngineConfig(need_layers="20-23").need_layer_set == frozenset({20, 21, 22, 23})
+    with pytest.raises(ValueError, match="auto, all"):
+        EngineConfig(need_layers="deep")
+    with pytest.raises(ValueError, match="heavy_tokens"):
+        EngineConfig(heavy_tokens="many")
+    with pytest.raises(ValueError, match="heavy_tokens"):
+        EngineConfig(heavy_tokens=-16)
+
+
+def test_cli_flags_take_auto_or_numbers():
+    import argparse
+    from kvreplay.commands.flags import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).heavy_tokens == "auto"
+    config = engine_config_from_args(parser.parse_args(["--heavy-tokens", "48", "--need-layers", "all"]))
+    assert config.heavy_tokens == 48 and config.need_layer_set is None
+
+
+def test_calibration_on_the_real_model_finds_retrieval_layers(llm32):
+    """Two planted facts are enough to see where SmolLM2-135M's retrieval heads are (layers 14-24
+    in the full pass; the first 7 and last 5 layers never carry the fact)."""
+    engine = llm32.engine
+    result = calibration.calibrate(engine.model, engine.tokenizer, 16, cases=2)
+    assert len(result.need_layers) == 4 and all(14 <= layer <= 24 for layer in result.need_layers)
+    chosen = list(result.need_layers)
+    assert min(result.planted[i] - result.ordinary[i] for i in chosen) > 0.3
+    assert result.heavy_tokens == 32  # the needle's block ranks first: the budget's floor
+
+
+def test_cache_is_keyed_and_read_back(tmp_path, monkeypatch, llm32):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake_pass(model, tokenizer, block_size, kernel=None):
+        calls.append(block_size)
+        return Calibration((3, 9), 48, "calibrated", (0.0,) * 30, (0.0,) * 30)
+
+    monkeypatch.setattr(calibration, "calibrate", fake_pass)
+    engine = llm32.engine
+    first = calibrated_defaults(engine.model, engine.tokenizer, engine.model_source, 16)
+    again = calibrated_defaults(engine.model, engine.tokenizer, engine.model_source, 16)
+    assert calls == [16] and first.source == "calibrated" and again.source.startswith("cached in")
+    assert (again.need_layers, again.heavy_tokens) == ((3, 9), 48)
+    calibrated_defaults(engine.model, engine.tokenizer, engine.model_source, 32)  # another key
+    assert calls == [16, 32]
+    files = sorted((tmp_path / "kvreplay" / "calibration").iterdir())
+    assert len(files) == 2 and all("float32" in f.name for f in files)
+    files[0].write_text("{not json")  # a damaged cache file is recomputed, not trusted
+    calibrated_defaults(engine.model, engine.tokenizer, engine.model_source, 16)
+    assert len(calls) == 3 and json.loads(files[0].read_text())["need_layers"] == [3, 9]
+
+
+def test_small_or_fileless_models_read_every_layer(llm32, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = llm32.engine
+    fileless = calibrated_defaults(engine.model, engine.tokenizer, str(tmp_path / "missing"), 16)
+    assert fileless.need_layers == tuple(range(30)) and fileless.heavy_tokens == 32
+
+    class Shallow:
+        config = type("C", (), {"num_layers": 2})()
+    shallow = calibrated_defaults(Shallow(), engine.tokenizer, engine.model_source, 16)
+    assert shallow.need_layers == (0, 1) and not (tmp_path / "kvreplay").exists()
+
+
+def test_auto_resolves_per_policy(llm32, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: Calibration((20, 21), 64, "calibrated"))
+    engine = llm32.engine
+    args = (engine.model, engine.tokenizer, engine.model_source)
+    assert replay_knobs(EngineConfig(), *args) == (None, 0, None)  # full: no pass, no heavy hitters
+    layers, heavy, found = replay_knobs(EngineConfig(policy="replay"), *args)
+    assert layers == frozenset({20, 21}) and heavy == 64 and found is not None
+    layers, heavy, found = replay_knobs(EngineConfig(policy="replay", need_layers="all", heavy_tokens=0), *args)
+    assert (layers, heavy, found) == (None, 0, None)
+    layers, heavy, _ = replay_knobs(EngineConfig(policy="sparse"), *args)
+    assert heavy == 0
+
+
+def test_the_engine_uses_the_calibrated_knobs(tmp_path, monkeypatch):
+    from kvreplay import LLM
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: Calibration((20, 23), 48, "calibrated"))
+    llm = LLM(dtype="float32", kv_cache_memory="16MiB", policy="replay")
+    engine = llm.engine
+    assert engine.runner.need_layers == frozenset({20, 23})
+    assert engine.scheduler.reclaim.heavy_blocks == 3
+    assert engine.kv.key_index.layers == [20, 23]  # the key index keeps only the layers read
