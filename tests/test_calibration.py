@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvreplay.config import EngineConfig
 from kvreplay.engine import calibration
@@ -109,3 +110,15 @@ def test_the_engine_uses_the_calibrated_knobs(tmp_path, monkeypatch):
     assert engine.runner.need_layers == frozenset({20, 23})
     assert engine.scheduler.reclaim.heavy_blocks == 3
     assert engine.kv.key_index.layers == [20, 23]  # the key index keeps only the layers read
+
+
+def test_plan_says_what_auto_resolves_to(tmp_path, monkeypatch, capsys, model_path):
+    from kvreplay.cli import main
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["plan", "--context", "1024"]) == 0
+    assert "not calibrated yet" in capsys.readouterr().out
+    path = calibration.cache_path(calibration.model_digest(model_path), torch.bfloat16, 16)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"need_layers": [20, 21], "heavy_tokens": 48, "planted": [0.0], "ordinary": [0.0]}))
+    assert main(["plan", "--context", "1024"]) == 0
+    assert "need_layers=20-21, heavy_tokens=48 (cached in" in capsys.readouterr().out

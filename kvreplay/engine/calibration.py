@@ -101,6 +101,26 @@ def model_digest(source: str) -> str | None:
     return digest.hexdigest()
 
 
+def cache_path(digest: str, dtype: torch.dtype, block_size: int) -> Path:
+    return cache_dir() / f"{digest[:32]}-{str(dtype).removeprefix('torch.')}-b{block_size}-v{VERSION}.json"
+
+
+def read_cached(path: Path) -> Calibration | None:
+    """The calibration saved at `path`, None when there is none or it is damaged."""
+    try:
+        saved = json.loads(path.read_text())
+        return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
+                           tuple(saved["planted"]), tuple(saved["ordinary"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def lookup(source: str, dtype: torch.dtype = torch.bfloat16, block_size: int = 16) -> Calibration | None:
+    """The cached calibration of a model file, without running a pass (`kvreplay plan`)."""
+    digest = model_digest(source)
+    return None if digest is None else read_cached(cache_path(digest, dtype, block_size))
+
+
 def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
     """The cached calibration of this model and block size, else a fresh pass (then cached)."""
     num_layers = model.config.num_layers
@@ -111,14 +131,10 @@ def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_
     if digest is None:
         return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size,
                            "every layer: no model file to key a calibration by")
-    dtype = str(model.dtype).removeprefix("torch.")
-    path = cache_dir() / f"{digest[:32]}-{dtype}-b{block_size}-v{VERSION}.json"
-    try:
-        saved = json.loads(path.read_text())
-        return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
-                           tuple(saved["planted"]), tuple(saved["ordinary"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    path = cache_path(digest, model.dtype, block_size)
+    cached = read_cached(path)
+    if cached is not None:
+        return cached
     logger.info("calibrating the replay defaults of %s (once per model: %d planted facts)", source, CASES)
     result = calibrate(model, tokenizer, block_size, prefill_kernel)
     try:
