@@ -134,9 +134,11 @@ class EngineConfig:
     window_tokens: int = knob(
         512, "recent tokens every policy keeps hot (window, replay)", check=ints(1))
     trim: str = knob(
-        "pressure", "when replay drops middle blocks: pressure (only when usage crosses the high "
-                    "watermark) or prefill (right after each prompt's prefill: long pasted "
-                    "documents)",
+        "admission", "when replay drops middle blocks: admission (when usage crosses the high "
+                     "watermark, or a waiting request does not fit under admit: the least "
+                     "attended middle blocks of decoding sequences make room for it), pressure "
+                     "(only above the high watermark) or prefill (right after each prompt's "
+                     "prefill: long pasted documents)",
         choices=TRIM_MODES, check=one_of(TRIM_MODES))
     replay_threshold: float = knob(
         0.65, "replay: when one dropped block would take more than this share of some head's "

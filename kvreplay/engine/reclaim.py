@@ -3,7 +3,8 @@
 The policy preset decides how middle blocks leave (demoted to the cold tier, dropped with their
 keys kept in the key index, or evicted for good); this module decides which, and when:
 
-- under pressure (`trim_for_room`): hot middle blocks first, then cold ones; sequences that
+- under pressure (`trim_for_room`), and with trim="admission" also when a waiting request does
+  not fit under the `admit` watermark (`room_to_admit`): hot middle blocks first, then cold ones; sequences that
   replayed most recently last; then the least observed attention (trim_order="importance", the
   H2O/SnapKV scores in kv/importance.py) or the oldest position;
 - after a step (`trim_after_step`): sliding presets move what left the window out; `replay`
@@ -85,6 +86,21 @@ class Reclaimer:
                 self._evict(seq, [index])
             moved = True
         return moved
+
+    def room_to_admit(self, num_blocks: int) -> int:
+        """trim="admission": a waiting request does not fit under the `admit` watermark, so take
+        up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
+        order, for it. Returns the blocks freed (0 under the other trim modes)."""
+        if self.trim != "admission" or not self.policy.drops_middle:
+            return 0
+        # Drop nothing unless it lets the request in: a partial trim would only cost quality.
+        per_block = self.kv.bytes_freed_by_drop(False, self.policy.keeps_key_index) / self.kv.block_bytes
+        middles = sum(len(self.middle(seq)) for seq in self.running if self._trimmable(seq))
+        if middles * per_block < num_blocks:
+            return 0
+        used = self.kv.num_used_blocks
+        self.trim_for_room(0, target_used=used - num_blocks)
+        return used - self.kv.num_used_blocks
 
     def _trimmable(self, seq: Sequence) -> bool:
         """Not replaying, no prefill chunk in this batch, and, while it prefills, only when

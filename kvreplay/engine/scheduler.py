@@ -187,6 +187,8 @@ class Scheduler:
             else:
                 projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
             if self.running:
+                if committed + projected > admit_blocks:  # trim="admission" makes room, or it waits
+                    committed -= self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1)
                 if committed + projected > admit_blocks:
                     break
             elif projected > self.kv.num_free_blocks:

@@ -73,7 +73,7 @@ def pause_cost(dropped_tokens: int, freed_bytes: int) -> float:
 
 
 # ---------------------------------------------------------------------- presets (docs/architecture.md §6)
-TRIM_MODES = ("prefill", "pressure")
+TRIM_MODES = ("admission", "prefill", "pressure")
 TRIM_ORDERS = ("importance", "oldest")
 
 
