@@ -280,3 +280,15 @@ def test_budget_presets_need_a_ratio(policy):
         with pytest.raises(ValueError, match="resident_ratio"):
             EngineConfig(policy=policy, resident_ratio=bad)
     assert EngineConfig(policy=policy, resident_ratio=0.1).kv_policy.needs_ratio
+
+
+def test_planner_knows_the_baselines():
+    from kvreplay.planner import KVDims, PlanKnobs, plan
+    dims = KVDims(num_layers=30, num_kv_heads=3, head_dim=64)
+    request = plan(dims, 4096, PlanKnobs(resident_ratio=0.1), policies=["full", "snapkv", "h2o", "quest"])
+    assert [p.hot_blocks for p in request.policies] == [256, 25, 25, 256]
+    assert request.policy("snapkv").resident_bytes == 25 * request.block_bytes
+    assert request.policy("quest").resident_bytes == request.full_bytes
+    assert plan(dims, 4096, PlanKnobs(resident_ratio=0.001), policies=["snapkv"]).policies[0].hot_blocks == 3
+    with pytest.raises(ValueError, match="--resident-ratio"):
+        plan(dims, 4096, policies=["h2o"])

@@ -13,7 +13,9 @@ keys kept in the key index, or evicted for good); this module decides which, and
 
 Under `resident_ratio` a preset may size its recent window from the budget (kv/policy.py
 `recent_window_tokens`); `quest` keeps everything and only says which middle blocks decode
-attention reads (`attention_selection`).
+attention reads (`attention_selection`). The baselines work on whole blocks and one choice per
+sequence (every layer and head keeps the same blocks), scored as kv/importance.py scores them;
+the published SnapKV and H2O choose tokens per head (SnapKV after pooling its scores).
 
 A middle block is never the protected head, the sinks, the window, a chat's hot rounds, or one
 of the `heavy_tokens` most attended middle blocks. The KV manager carries out every move.
