@@ -10,7 +10,7 @@ import torch
 
 from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
 from kvreplay.kv.quant import KINDS as COLD_KINDS
-from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, ints, knob,
+from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, check_number, ints, knob,
                                knob_docs, numbers, one_of, parse_bytes)  # parse_bytes: re-exported
 
 
@@ -79,6 +79,14 @@ def check_device(device) -> None:
         raise ValueError(f"device={device!r} but torch sees no CUDA GPU; use device='cpu'")
 
 
+def _check_ratio(name: str, value, owner) -> float | None:
+    value = check_number(name, value, 0, 1, low_open=True, optional=True, what="a share of full KV")
+    if value is None and owner.kv_policy.needs_ratio:
+        raise ValueError(f"policy={owner.policy!r} is defined by its KV budget: set resident_ratio, "
+                         f"e.g. resident_ratio=0.25 to keep a quarter of full's KV")
+    return value
+
+
 @knob_docs
 @dataclass
 class EngineConfig:
@@ -111,7 +119,13 @@ class EngineConfig:
                 "window (StreamingLLM); replay drops the middle and recomputes it when needed; "
                 "sparse keeps the middle quantized and attends to its top blocks (Quest); "
                 "replay+cold keeps it quantized while it fits, drops it under pressure, replays "
-                "on need",
+                "on need. The published baselines, each at resident_ratio (required: a "
+                "ValueError otherwise): snapkv keeps, when a prompt's prefill ends, its last 32 "
+                "tokens and the middle blocks its last 32 queries attended most, and evicts the "
+                "rest for good; h2o evicts for good, after every step, the least attended middle "
+                "blocks (prefill observation + every decode step) beyond a recent window of half "
+                "the budget; quest keeps everything and each decode step attends, per KV head, "
+                "to the middle blocks with the highest Quest bound (its memory is full's)",
         choices=POLICIES, check=lambda name, value, owner: POLICIES[check_choice(name, value, POLICIES)],
         parsed="kv_policy")
     seed: int = knob(
@@ -132,7 +146,9 @@ class EngineConfig:
                      "sinks; recompute keeps nothing (vLLM's recompute preemption)",
         choices=PAUSE_MODES, check=one_of(PAUSE_MODES))
     window_tokens: int = knob(
-        512, "recent tokens every policy keeps hot (window, replay)", check=ints(1))
+        512, "recent tokens every policy keeps hot (window, replay); with resident_ratio, "
+             "window and h2o size theirs from the budget instead, snapkv keeps the prompt's last "
+             "32 tokens and quest the block being written", check=ints(1))
     trim: str = knob(
         "admission", "when replay drops middle blocks: admission (when usage crosses the high "
                      "watermark, or a waiting request does not fit under admit: the least "
@@ -182,11 +198,16 @@ class EngineConfig:
            "a chat kept in full precision beside the system prompt (the seeds' multi-turn rule; "
            "0: only the window)", check=ints(0))
     resident_ratio: float | None = knob(
-        None, "replay, replay+cold: after each step, a decoding sequence whose resident KV (hot "
-              "+ cold + key index) is above this share of what full would hold drops middle "
-              "blocks, least important first (cold ones in replay+cold), until it is not",
+        None, "the KV budget of the lossy presets, as a share of what full would hold for a "
+              "sequence (its resident KV: hot + cold + key index; sinks and the protected span "
+              "always stay). replay, replay+cold, h2o: after each step a decoding sequence above "
+              "it loses middle blocks, least observed attention first (replay keeps their keys; "
+              "replay+cold drops cold ones), until it is not; replay with trim=prefill and snapkv "
+              "cut each prompt to it when its prefill ends; window sizes its recent window so "
+              "sinks + window fit it; quest attends to that share at each decode step. Required "
+              "by snapkv, h2o and quest",
         type=float, default_help="no cap",
-        check=numbers(0, 1, low_open=True, optional=True, what="a share of full KV"))
+        check=lambda name, value, owner: _check_ratio(name, value, owner))
     layered_prefill: bool = knob(
         False, "replay (trim prefill), window: a prompt (or resumed range) whose middle is "
                "dropped right after its prefill is computed one layer at a time, so only one "
@@ -194,7 +215,9 @@ class EngineConfig:
                "(sinks, window, key index) plus working memory, not its whole K/V (lower peak, "
                "more prompts admitted together). The K/V kept are bit for bit the chunked "
                "prefill's; heavy hitters are chosen among the middle's last 8 x heavy_tokens; "
-               "the dropped middle never enters the prefix cache",
+               "the dropped middle never enters the prefix cache. Not when a prompt is cut to "
+               "resident_ratio at prefill (snapkv, replay with trim prefill and a ratio): the cut "
+               "needs the whole middle's attention, so such prompts prefill in chunks",
         check=boolean)
 
     def __post_init__(self):

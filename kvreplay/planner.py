@@ -29,6 +29,10 @@ Resident bytes of one request under each policy (scales and summaries are fp16, 
                     cold scales  = 2 x g x groups(C) x 2   int8/fp8: a scale; int4: scale and min
     replay+cold:C between sparse:C (while cold fits) and replay (everything dropped); planned at
                   replay, what it falls back to when memory is short
+    snapkv, h2o   the published baselines at resident_ratio r: floor(r x blocks) hot, the rest
+                  evicted for good (never fewer than the pinned head and the recent window:
+                  snapkv the blocks of the prompt's last 32 tokens, h2o one block)
+    quest         all blocks hot (full's bytes); each step attends to floor(r x blocks) of them
 
     max concurrency for a budget B = floor(B / resident bytes of one request)
 
@@ -41,7 +45,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from kvreplay.validate import check_choice, check_int
+from kvreplay.validate import check_choice, check_int, check_number
 
 SCALE_BYTES = 2     # fp16 scale / min per quantization group
 SUMMARY_BYTES = 2   # fp16 key min / max per block and channel
@@ -113,6 +117,7 @@ class PlanKnobs:
     protected_tokens: int = 0
     kv_dtype: str = "bfloat16"
     index_bits: int = 4
+    resident_ratio: float | None = None  # the budget of snapkv, h2o and quest
 
     def __post_init__(self):
         check_choice("KV dtype", self.kv_dtype, KV_DTYPE_BYTES)
@@ -120,6 +125,8 @@ class PlanKnobs:
         for name in ("sink_tokens", "window_tokens", "protected_tokens"):
             check_int(name, getattr(self, name), 0)
         check_choice("index_bits", self.index_bits, INDEX_BITS)
+        check_number("resident_ratio", self.resident_ratio, 0, 1, low_open=True, optional=True,
+                      what="a share of full KV")
 
     @property
     def dtype_bytes(self) -> int:
@@ -221,8 +228,33 @@ def _replay_cold(zones, knobs, dims, cold_dtype):
     return replace(_replay(zones, knobs, dims, cold_dtype), policy=f"replay+cold:{cold_dtype or 'int8'}")
 
 
+def _ratio_blocks(zones: Zones, knobs: PlanKnobs, name: str, recent_tokens: int) -> int:
+    """Blocks a baseline keeps at resident_ratio: floor(r x blocks), never fewer than the pinned
+    head and the blocks holding the last `recent_tokens` tokens."""
+    if knobs.resident_ratio is None:
+        raise ValueError(f"policy {name} is defined by its budget: give --resident-ratio (e.g. 0.25)")
+    T, bs = zones.context_tokens, knobs.block_size
+    head = min(zones.num_blocks, -(-max(knobs.protected_tokens, knobs.sink_tokens) // bs))
+    always = head + zones.num_blocks - max(head, max(0, T - recent_tokens) // bs)
+    return min(zones.num_blocks, max(always, int(knobs.resident_ratio * zones.num_blocks + 1e-9)))
+
+
+def _evicting(name: str, recent_tokens: int):
+    def plan_one(zones, knobs, dims, cold_dtype):
+        hot = _ratio_blocks(zones, knobs, name, recent_tokens)
+        return PolicyPlan(name, hot, "evicted", zones.num_blocks - hot, hot * _block_bytes(dims, knobs))
+    return plan_one
+
+
+def _quest(zones, knobs, dims, cold_dtype):
+    attended = _ratio_blocks(zones, knobs, "quest", 1)
+    return PolicyPlan("quest", zones.num_blocks, "hot, unread", zones.num_blocks - attended,
+                      zones.num_blocks * _block_bytes(dims, knobs))
+
+
 for _name, _fn in (("full", _full), ("window", _window), ("replay", _replay), ("sparse", _sparse),
-                   ("replay+cold", _replay_cold)):
+                   ("replay+cold", _replay_cold), ("snapkv", _evicting("snapkv", 32)),
+                   ("h2o", _evicting("h2o", 1)), ("quest", _quest)):
     register_policy(_name, _fn)
 
 DEFAULT_POLICIES = ["full", "window", "replay", "sparse:int8", "sparse:fp8", "sparse:int4"]

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                       help="KV budget for the concurrency column, e.g. 256MiB or 40GB")
     what.add_argument("--policies", default=",".join(planner.DEFAULT_POLICIES),
                       help="comma-separated, cold dtype as a suffix (default: %(default)s; also "
-                           "replay+cold:int8)")
+                           "replay+cold:int8, and snapkv, h2o, quest with --resident-ratio)")
     knobs = parser.add_argument_group("knobs")
     defaults = planner.PlanKnobs()
     knobs.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(planner.KV_DTYPE_BYTES),
@@ -58,6 +58,8 @@ def register(subparsers) -> None:
                        help="(default: %(default)s)")
     knobs.add_argument("--protected-tokens", type=int, default=defaults.protected_tokens,
                        help="system prompt / pinned tokens per request (default: %(default)s)")
+    knobs.add_argument("--resident-ratio", type=float, default=None,
+                       help="share of full's KV that snapkv, h2o and quest keep (they need it)")
     knobs.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=planner.INDEX_BITS,
                        help="bits of the replay key index (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -88,7 +90,7 @@ def run_plan(args) -> int:
     from kvreplay.validate import parse_bytes
     dims = dims_from_args(args)
     knobs = planner.PlanKnobs(args.block_size, args.sink_tokens, args.window_tokens,
-                              args.protected_tokens, args.kv_dtype, args.index_bits)
+                              args.protected_tokens, args.kv_dtype, args.index_bits, args.resident_ratio)
     budget = parse_bytes(args.budget) if args.budget else None
     contexts = args.context or sorted({1024, 8192, dims.max_context_tokens or 8192})
     policies = [p for p in args.policies.split(",") if p.strip()]

@@ -92,7 +92,9 @@ class LLMEngine:
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
-                                  layered_chunk_tokens=config.max_num_batched_tokens)
+                                  layered_chunk_tokens=config.max_num_batched_tokens,
+                                  select_hot=self.scheduler.reclaim.attention_selection
+                                  if config.kv_policy.selects_per_step else None)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -16,6 +17,7 @@ from kvreplay.kv.importance import OBSERVED_QUERIES
 from kvreplay.kv.manager import DROPPED
 from kvreplay.layers.attention import (AttentionMetadata, ColdAttention, NeedProbe, PrefillSlice,
                                        decode_padding)
+from kvreplay.layers.selection import HotSelection
 from kvreplay.models.llama import LlamaModel
 from kvreplay.sampling import greedy_tokens
 
@@ -44,7 +46,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
                  need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0,
                  need_layers: frozenset[int] | None = None, observe_importance: bool = False,
-                 layered_chunk_tokens: int = 512):
+                 layered_chunk_tokens: int = 512,
+                 select_hot: Callable[[Sequence], tuple[range, int] | None] | None = None):
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -54,6 +57,8 @@ class ModelRunner:
         self.sparse_budget_blocks = None if sparse_budget is None else sparse_budget // kv.block_size
         self.dense_layers = dense_layers
         self.observe_importance = observe_importance  # feed kv.importance (policies that trim)
+        # quest: a decoding sequence's middle blocks and how many each KV head reads (None: all)
+        self.select_hot = select_hot
         # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         # bf16 prompt chunks over resident earlier positions go to the compiled causal kernel
@@ -138,8 +143,11 @@ class ModelRunner:
         if self.kv.cold_pool is not None:
             meta.cold = self._cold(batch.decodes)
         meta.observe_decode = self.observe_importance
+        if self.select_hot is not None:
+            meta.hot_selection = self._hot_selection(batch.decodes, width)
         if self.graphs is not None and not (batch.prefills or batch.replays or batch.layers) \
-                and meta.probe is None and meta.cold is None and not meta.observe_decode:
+                and meta.probe is None and meta.cold is None and not meta.observe_decode \
+                and meta.hot_selection is None:
             logits = self.graphs.run(rows.input_ids, decode_positions, decode_slots, lengths, tables)
             if logits is not None:  # else capturing failed: the eager step
                 return logits
@@ -149,7 +157,7 @@ class ModelRunner:
         rows.slots.append(torch.tensor(decode_slots, dtype=torch.long))
         meta.decode_block_tables = padded.to(self.device)
         meta.decode_context = context.to(self.device)
-        if self.decode_kernel is not None and meta.cold is None:
+        if self.decode_kernel is not None and meta.cold is None and meta.hot_selection is None:
             meta.decode_kernel = self.decode_kernel
         else:  # the PyTorch path needs every row padded to the widest table, masked
             meta.decode_padding = decode_padding(context, width * block_size, cfg.num_kv_heads).to(self.device)
@@ -216,6 +224,21 @@ class ModelRunner:
         mask = key_positions[None, :] <= torch.arange(start, end)[:, None]  # [chunk, R*bs]
         return PrefillSlice(row, row + end - start, len(key_positions), needed[resident].to(self.device),
                             mask.to(self.device))
+
+    def _hot_selection(self, decodes: list[Sequence], width: int) -> HotSelection | None:
+        """Quest's choice for this step's decode rows (columns are table indices: nothing is
+        dropped under quest); None when every row reads all its blocks."""
+        picks = [self.select_hot(seq) for seq in decodes]
+        if all(pick is None for pick in picks):
+            return None
+        candidates = torch.zeros(len(decodes), width, dtype=torch.bool)
+        keep = torch.zeros(len(decodes), dtype=torch.long)
+        for row, (seq, pick) in enumerate(zip(decodes, picks)):
+            if pick is not None:
+                assert not self.kv.dropped_blocks(seq.seq_id), "quest selects among hot blocks only"
+                middle, keep[row] = pick
+                candidates[row, middle.start:middle.stop] = True
+        return HotSelection(candidates.to(self.device), keep.to(self.device))
 
     def _padded(self, slot_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """[R, N] slot table padded with slot 0, and [R, N] validity (one tensor from plain

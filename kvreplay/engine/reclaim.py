@@ -4,12 +4,19 @@ The policy preset decides how middle blocks leave (demoted to the cold tier, dro
 keys kept in the key index, or evicted for good); this module decides which, and when:
 
 - under pressure (`trim_for_room`), and with trim="admission" also when a waiting request does
-  not fit under the `admit` watermark (`room_to_admit`): hot middle blocks first, then cold ones; sequences that
-  replayed most recently last; then the least observed attention (trim_order="importance", the
-  H2O/SnapKV scores in kv/importance.py) or the oldest position;
+  not fit under the `admit` watermark (`room_to_admit`): hot middle blocks first, then cold
+  ones; sequences that replayed most recently last; then the least observed attention
+  (trim_order="importance", the H2O/SnapKV scores in kv/importance.py) or the oldest position;
 - after a step (`trim_after_step`): sliding presets move what left the window out; `replay`
-  with trim="prefill" drops the middle of prompts whose prefill just ended; `resident_ratio`
-  caps each decoding sequence's resident KV.
+  with trim="prefill" drops the middle of prompts whose prefill just ended (with a
+  `resident_ratio`, only down to it: SnapKV's choice, which `snapkv` evicts for good); presets
+  that cap each step (replay, replay+cold, h2o) fit every decoding sequence to `resident_ratio`.
+
+Under `resident_ratio` a preset may size its recent window from the budget (kv/policy.py
+`recent_window_tokens`); `quest` keeps everything and only says which middle blocks decode
+attention reads (`attention_selection`). The baselines work on whole blocks and one choice per
+sequence (every layer and head keeps the same blocks), scored as kv/importance.py scores them;
+the published SnapKV and H2O choose tokens per head (SnapKV after pooling its scores).
 
 A middle block is never the protected head, the sinks, the window, a chat's hot rounds, or one
 of the `heavy_tokens` most attended middle blocks. The KV manager carries out every move.
@@ -19,7 +26,7 @@ from __future__ import annotations
 from kvreplay.engine.replay import ReplayTracker
 from kvreplay.engine.sequence import Sequence
 from kvreplay.kv import KVManager
-from kvreplay.kv.policy import KVPolicy, middle_block_range
+from kvreplay.kv.policy import KVPolicy, middle_block_range, quest_selection, recent_window_tokens
 
 RETRIM_AFTER_STEPS = 32  # steps after its last replay before resident_ratio trims a sequence again
 
@@ -36,6 +43,7 @@ class Reclaimer:
         self.trim = trim
         self.heavy_blocks = heavy_tokens // kv.block_size
         self.by_importance = trim_order == "importance"
+        assert resident_ratio is not None or not policy.needs_ratio, f"{policy.name} needs a resident_ratio"
         self.resident_ratio = resident_ratio
         self.chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
 
@@ -45,11 +53,44 @@ class Reclaimer:
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
             return []
         hot_from = seq.hot_from if self.policy.demotes else None
-        blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, self.window_tokens,
+        recent = self.recent_tokens(seq.num_computed_tokens, seq.pinned_tokens)
+        blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent,
                                     self.kv.block_size, hot_from)
         middle = self.kv.droppable(seq.seq_id, blocks)
         heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
         return [index for index in middle if index not in heavy]
+
+    def recent_tokens(self, num_tokens: int, pinned_tokens: int) -> int:
+        """The recent window of a sequence of `num_tokens` (window_tokens, or the preset's)."""
+        return recent_window_tokens(self.policy, num_tokens, pinned_tokens, self.kv.block_size,
+                                    self.window_tokens, self.resident_ratio)
+
+    @property
+    def selects_at_prefill(self) -> bool:
+        """A prompt's middle is cut to `resident_ratio` by importance when its prefill ends
+        (snapkv; replay, replay+cold with trim="prefill" and a ratio), not dropped whole."""
+        return self.resident_ratio is not None and self.policy.drops_middle and \
+            (self.policy.selects_at_prefill or self.trim == "prefill")
+
+    def attention_selection(self, seq: Sequence) -> tuple[range, int] | None:
+        """Quest (`selects_per_step`): the middle blocks of `seq`'s decode step each KV head
+        chooses among and how many it reads; None when it reads them all."""
+        if not self.policy.selects_per_step:
+            return None
+        middle, keep = quest_selection(self.policy, seq.num_computed_tokens + 1, seq.pinned_tokens,
+                                       self.kv.block_size, self.resident_ratio)
+        return (middle, keep) if keep < len(middle) else None
+
+    def resident_share(self, seq: Sequence) -> float:
+        """`seq`'s KV against the blocks `full` would hold for it: resident bytes (hot + cold +
+        key index), or for quest, whose memory is full's, the share its decode attention reads."""
+        num_tokens = seq.num_computed_tokens
+        num_blocks = -(-num_tokens // self.kv.block_size)
+        if self.policy.selects_per_step:
+            middle, keep = quest_selection(self.policy, num_tokens, seq.pinned_tokens,
+                                           self.kv.block_size, self.resident_ratio)
+            return (num_blocks - len(middle) + min(keep, len(middle))) / num_blocks
+        return self.kv.resident_bytes(seq.seq_id) / (num_blocks * self.kv.block_bytes)
 
     def _order(self, seq: Sequence, indices: list[int], cold: int) -> list[tuple]:
         """Reclaim order: sequences that replayed recently last; hot blocks before cold ones;
@@ -63,7 +104,7 @@ class Reclaimer:
         """Take middle blocks out of the hot tier until `num_blocks` are free (or usage reaches
         `target_used`): hot middle blocks first (demoted to cold, or dropped), then cold ones
         (dropped), in reclaim order. True if anything moved."""
-        if not (self.policy.drops_middle or self.policy.demotes):
+        if not (self.policy.drops_middle or self.policy.demotes) or not self.policy.trims_under_pressure:
             return False
         drops_cold = self.policy.drops_middle and self.policy.demotes
         candidates = []
@@ -91,7 +132,7 @@ class Reclaimer:
         """trim="admission": a waiting request does not fit under the `admit` watermark, so take
         up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
         order, for it. Returns the blocks freed (0 under the other trim modes)."""
-        if self.trim != "admission" or not self.policy.drops_middle:
+        if self.trim != "admission" or not (self.policy.drops_middle and self.policy.trims_under_pressure):
             return 0
         # Drop nothing unless it lets the request in: a partial trim would only cost quality.
         per_block = self.kv.bytes_freed_by_drop(False, self.policy.keeps_key_index) / self.kv.block_bytes
@@ -126,18 +167,23 @@ class Reclaimer:
     def trim_after_step(self, prefilled: list[Sequence], step: int) -> None:
         """Policy trimming at the end of a step: sliding presets (window, sparse, replay+cold)
         move whatever left the window out of the hot tier; `replay` with trim="prefill" drops
-        the middle of prompts whose prefill just ended; then the `resident_ratio` cap."""
+        the middle of prompts whose prefill just ended, and `snapkv` (or replay with trim="prefill"
+        and a ratio) cuts it to `resident_ratio`, least observed attention first; then the
+        `resident_ratio` cap of the presets that cap each step."""
+        targets = []
         if self.policy.slides:
             targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        elif self.selects_at_prefill:
+            for seq in prefilled:
+                if seq in self.running and seq.num_uncomputed_tokens == 1:
+                    self._fit_ratio(seq)
         elif self.policy.drops_middle and self.trim == "prefill":
             targets = [seq for seq in prefilled if seq in self.running]
-        else:
-            return
         for seq in targets:
             blocks = self.middle(seq)
             if blocks:
                 self._evict(seq, blocks)
-        if self.resident_ratio is not None and self.policy.drops_middle:
+        if self.resident_ratio is not None and self.policy.caps_each_step:
             for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
                 replayed_lately = seq.replay.last_step >= 0 and \
                     step - seq.replay.last_step <= RETRIM_AFTER_STEPS
@@ -152,7 +198,8 @@ class Reclaimer:
         `RETRIM_AFTER_STEPS` steps keeps its replayed middle: trimming it at once let the need
         detector fire again at the next step, one replay per token."""
         kv = self.kv
-        limit = self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
+        # (the slack: r x n landing a hair under a whole number of blocks, as in ratio_blocks)
+        limit = (self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) + 1e-9) * kv.block_bytes
         excess = kv.resident_bytes(seq.seq_id) - limit
         if excess <= 0:
             return

@@ -230,15 +230,16 @@ class Scheduler:
         boundary or something is dropped already, or it would save no memory."""
         if self.layered_work is None or self.replay.approx_prefill or seq.beam is not None or seq.forks:
             return None
-        if not self.policy.drops_middle or self.policy.demotes or \
-                not (self.policy.slides or self.reclaim.trim == "prefill"):
-            return None
+        if not self.policy.drops_middle or self.policy.demotes or self.reclaim.selects_at_prefill \
+                or not (self.policy.slides or self.reclaim.trim == "prefill"):
+            return None  # (a cut to resident_ratio at prefill needs the whole middle's attention)
         start, end = seq.num_computed_tokens, seq.num_tokens
         block_size = self.kv.block_size
         if start % block_size or self.kv.num_slots(seq.seq_id) != start or \
                 self.kv.dropped_blocks(seq.seq_id) or end - start < 2:
             return None
-        middle = middle_block_range(end, seq.pinned_tokens, self.reclaim.window_tokens, block_size)
+        middle = middle_block_range(end, seq.pinned_tokens, self.reclaim.recent_tokens(end, seq.pinned_tokens),
+                                    block_size)
         middle = range(max(middle.start, start // block_size),
                        max(middle.start, middle.stop - HEAVY_CANDIDATES * self.reclaim.heavy_blocks))
         work_blocks = -(-self._layered_bytes(seq) // self.kv.block_bytes)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvreplay.kv.importance import OBSERVED_QUERIES
+
 PAUSE_MODES = ("protected", "recompute")
 
 
@@ -83,14 +85,29 @@ class KVPolicy:
 
     Attributes:
         name: the preset's name.
-        drops_middle: middle blocks may leave the hot tier (window, replay).
+        drops_middle: middle blocks may leave the hot tier (window, replay, snapkv, h2o).
         keeps_key_index: dropped blocks keep int4 keys (and their min/max summaries) so the need
-            detector can see them and a replay can be decided; `window` keeps nothing.
+            detector can see them and a replay can be decided; the others evict for good.
         replays_on_need: the need detector runs at decode and replays dropped ranges.
         slides: blocks leave the hot tier as soon as they leave the window, every step
             (StreamingLLM eviction; demotion for the cold presets).
         demotes: middle blocks leaving the hot tier go to the cold tier (quantized, still
             attended); under pressure, hot middle blocks are demoted before anything is dropped.
+        selects_at_prefill: when a prompt's prefill ends, its middle is cut down to
+            `resident_ratio`, keeping the blocks the prompt's last queries attended most (SnapKV;
+            replay and replay+cold do this too with trim="prefill" and a ratio).
+        caps_each_step: after every step a decoding sequence above `resident_ratio` loses its
+            least attended middle blocks until it fits (H2O; replay and replay+cold with a ratio).
+        selects_per_step: nothing leaves the hot tier; each decode step each KV head attends only
+            to the middle blocks with the highest Quest bound, up to `resident_ratio` (Quest).
+        trims_under_pressure: memory pressure takes middle blocks out before pausing anyone;
+            False: the policy's own rule is its whole budget, and pressure pauses as `full` does.
+        needs_ratio: the preset is defined by its budget: `resident_ratio` must be set.
+        recent_share: with `resident_ratio`, the recent window is this share of the budget left
+            after the sinks (window: all of it; h2o: half, its heavy hitters get the other half),
+            instead of `window_tokens`.
+        recent_tokens: a fixed recent window instead of `window_tokens` (snapkv: its observation
+            window; quest: the block being written).
     """
     name: str
     drops_middle: bool = False
@@ -98,16 +115,36 @@ class KVPolicy:
     replays_on_need: bool = False
     slides: bool = False
     demotes: bool = False
+    selects_at_prefill: bool = False
+    caps_each_step: bool = False
+    selects_per_step: bool = False
+    trims_under_pressure: bool = True
+    needs_ratio: bool = False
+    recent_share: float | None = None
+    recent_tokens: int | None = None
 
 
 POLICIES = {
     "full": KVPolicy("full"),
-    "window": KVPolicy("window", drops_middle=True, slides=True),
-    "replay": KVPolicy("replay", drops_middle=True, keeps_key_index=True, replays_on_need=True),
+    "window": KVPolicy("window", drops_middle=True, slides=True, recent_share=1.0),
+    "replay": KVPolicy("replay", drops_middle=True, keeps_key_index=True, replays_on_need=True,
+                       caps_each_step=True),
     "sparse": KVPolicy("sparse", slides=True, demotes=True),
     "replay+cold": KVPolicy("replay+cold", drops_middle=True, keeps_key_index=True,
-                            replays_on_need=True, slides=True, demotes=True),
+                            replays_on_need=True, slides=True, demotes=True, caps_each_step=True),
+    "snapkv": KVPolicy("snapkv", drops_middle=True, selects_at_prefill=True,
+                       trims_under_pressure=False, needs_ratio=True, recent_tokens=OBSERVED_QUERIES),
+    "h2o": KVPolicy("h2o", drops_middle=True, caps_each_step=True, trims_under_pressure=False,
+                    needs_ratio=True, recent_share=0.5),
+    "quest": KVPolicy("quest", selects_per_step=True, trims_under_pressure=False, needs_ratio=True,
+                      recent_tokens=1),
 }
+
+
+def ratio_blocks(num_tokens: int, block_size: int, ratio: float) -> int:
+    """Whole blocks a sequence of `num_tokens` may keep under `resident_ratio`: r x the blocks
+    `full` would hold for it, rounded down (a hair of slack for r x n landing just under an integer)."""
+    return int(ratio * -(-num_tokens // block_size) + 1e-9)
 
 
 def middle_block_range(num_tokens: int, pinned_tokens: int, window_tokens: int,
@@ -124,3 +161,32 @@ def middle_block_range(num_tokens: int, pinned_tokens: int, window_tokens: int,
     if hot_from is not None:
         last = min(last, hot_from // block_size)
     return range(first, max(first, last))
+
+
+def recent_window_tokens(policy: KVPolicy, num_tokens: int, pinned_tokens: int, block_size: int,
+                         window_tokens: int, resident_ratio: float | None) -> int:
+    """The recent window (tokens at the end kept hot) of a sequence of `num_tokens` under
+    `policy`: `window_tokens`; the preset's fixed window; or, with `resident_ratio` and a
+    `recent_share`, that share of the whole blocks r allows beyond the pinned head (at least
+    one block), as tokens that `middle_block_range` turns back into those blocks. E.g. window at
+    10% of 4,096 tokens: 25 blocks, the sinks' block and the last 24 blocks (384 tokens)."""
+    if policy.recent_tokens is not None:
+        return policy.recent_tokens
+    if resident_ratio is None or policy.recent_share is None:
+        return window_tokens
+    num_blocks = -(-num_tokens // block_size)
+    spare = ratio_blocks(num_tokens, block_size, resident_ratio) - -(-pinned_tokens // block_size)
+    recent_blocks = max(1, int(spare * policy.recent_share + 1e-9))
+    return num_tokens - max(0, num_blocks - recent_blocks) * block_size
+
+
+def quest_selection(policy: KVPolicy, num_tokens: int, pinned_tokens: int, block_size: int,
+                    resident_ratio: float) -> tuple[range, int]:
+    """Quest's per-step budget for a sequence whose context is `num_tokens`: the middle blocks
+    decode attention chooses among, and how many of them each KV head reads, so that pinned
+    head + recent window + chosen blocks are at most r x its blocks (the head and the window
+    always count, even beyond r)."""
+    recent = recent_window_tokens(policy, num_tokens, pinned_tokens, block_size, 0, resident_ratio)
+    middle = middle_block_range(num_tokens, pinned_tokens, recent, block_size)
+    always = -(-num_tokens // block_size) - len(middle)
+    return middle, max(0, ratio_blocks(num_tokens, block_size, resident_ratio) - always)

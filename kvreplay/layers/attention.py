@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvreplay.kv.importance import block_mass
 from kvreplay.kv.quant import block_upper_bound
+from kvreplay.layers.selection import HotSelection, mask_unselected
 
 if TYPE_CHECKING:
     from kvreplay.kv.cold_pool import ColdPool
@@ -100,6 +101,7 @@ class AttentionMetadata:
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
+    hot_selection: HotSelection | None = None  # quest: each KV head reads its top middle blocks
     # Importance (kvreplay.kv.importance): block mass of each decode row, summed over layers,
     # over its hot blocks [B, max_blocks] and its cold blocks [B, N] (when observe_decode).
     observe_decode: bool = False
@@ -172,6 +174,8 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_kv * num_seqs, group, head_dim)                             # [Hkv*B, G, D]
     scores = torch.bmm(query, keys.transpose(1, 2)).float()                      # [Hkv*B, G, L]
     scores.masked_fill_(meta.decode_padding, float("-inf"))
+    if meta.hot_selection is not None:
+        mask_unselected(meta.hot_selection, query, keys, scores, num_kv, num_seqs, key_cache.shape[2])
     picks = None
     if meta.cold is not None:
         cold_keys, cold_values, cold_valid, picks = _cold_blocks(meta.cold, query, num_kv, num_seqs, group)
