@@ -112,8 +112,10 @@ def _niah(kit: TextKit, rng: random.Random, length: int, hay_kind: str, key_draw
     noun = "numbers" if many else "number"
     question = (f"\n\nWhat {'are all' if num_values > 1 else 'are' if many else 'is'} the special "
                 f"magic {noun} for {_listing(asked)} mentioned in the text above?")
-    prefix = (f"The special magic {noun} for {_listing(asked)} mentioned in the provided text "
-              f"{'are' if many else 'is'}")
+    # Several answers: the answer opens like a needle about the first one asked, since a small
+    # model (SmolLM2-135M) asked to list them writes a bullet list of the nearby prose instead.
+    prefix = (template.format(asked[0], "").strip()[:-1].rstrip() if many else
+              f"The special magic number for {asked[0]} mentioned in the provided text is")
 
     def body(prompt: Prompt, tokens: int) -> None:
         hay = kit.haystack(hay_kind, tokens - sum(len(ids) for _, ids in needles), rng)

@@ -77,8 +77,10 @@ def register(subparsers) -> None:
                     "prose and UUID-keyed haystacks, niah_multikey, niah_multivalue, niah_multiquery, vt, "
                     "cwe, fwe) generated with the model's tokenizer, plus `multiturn`: a 4-round chat "
                     "over one document, a question per round about another quarter of it, scored per "
-                    "round. `full` runs once, every other policy at each --ratios resident_ratio, "
-                    "prefix caching off, the KV pool sized so that only the ratio limits; scored by "
+                    "round. --policies (default: full and every lossy policy): `full` runs once, "
+                    "every other policy at each --ratios resident_ratio (over --resident-ratio), "
+                    "prefix caching off, the KV pool sized so that only the ratio limits (over "
+                    "--kv-cache-memory); scored by "
                     "string_match_all; reports accuracy per task, the measured resident KV share and "
                     "the replay cost (see docs/architecture.md §8).")
     quality.add_argument("--suite", choices=("classic", "ruler"), default="classic",
