@@ -135,8 +135,9 @@ def _variable_tracking(kit: TextKit, rng: random.Random, length: int, num_hops: 
     depths = sorted(rng.uniform(0.02, 0.98) for _ in needles)
     question = (f"\n\nQuestion: Which variables in the text above hold the value {value}, "
                 f"assigned directly or through other variables? Name them all.")
+    # opened like an assignment: asked for a list, a small model numbers lines of made-up prose
     prefix = (f"Answer: Following the chain of assignments, the variables that hold the value "
-              f"{value} are:")
+              f"{value} are: VAR")
 
     def body(prompt: Prompt, tokens: int) -> None:
         hay = kit.haystack("noise", tokens - sum(len(ids) for _, ids in needles), rng)
