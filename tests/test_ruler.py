@@ -177,3 +177,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert case["resident_mean"] == pytest.approx(1.0, abs=0.05)    # full keeps every block
     assert case["stats"]["replays"] == 0 and case["stats"]["dropped_tokens"] == 0
     assert run["lengths"]["512"]["average"] == case["score"]
+
+
+def test_runs_above_their_ratio_are_named():
+    from kvreplay.bench.ruler import over_ratio
+    run = {"ratio": 0.1, "lengths": {"4096": {"resident_mean": 0.13}, "7680": {"resident_mean": 1.0}}}
+    assert over_ratio(run) == ["7680"]                  # a preset that ignored resident_ratio
+    assert over_ratio({"ratio": None, "lengths": {"4096": {"resident_mean": 1.0}}}) == []

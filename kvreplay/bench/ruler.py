@@ -207,6 +207,16 @@ def _summaries(tasks: dict, lengths: tuple[int, ...]) -> dict:
     return out
 
 
+def over_ratio(run: dict, slack: float = 0.05) -> list[str]:
+    """Lengths at which a run's measured resident share (mean over decode steps) is above its
+    ratio by more than `slack`: the policy's knobs keep more than the budget (a window wider
+    than the ratio, or a preset that ignores resident_ratio), so its row is not at that budget."""
+    if run["ratio"] is None:
+        return []
+    return [length for length, s in run["lengths"].items()
+            if s["resident_mean"] is not None and s["resident_mean"] > run["ratio"] + slack]
+
+
 def ruler_suite(config: EngineConfig, spec: RulerSpec, policies: list[str] | None = None,
                 progress: bool = True) -> dict:
     """Every task at every length for every (policy, ratio); every argument is checked before
@@ -240,6 +250,11 @@ def ruler_suite(config: EngineConfig, spec: RulerSpec, policies: list[str] | Non
                     print(f"ruler: {name}, {task}, {length}: score {cell['score']:.1f} in "
                           f"{cell['wall_s']:.1f} s", file=sys.stderr)
         run["lengths"] = _summaries(run["tasks"], spec.lengths)
+        run["over_ratio"] = over_ratio(run)
+        if run["over_ratio"] and progress:
+            print(f"ruler: warning: {name} kept more than its ratio resident at "
+                  f"{', '.join(run['over_ratio'])} tokens (its knobs do not follow resident_ratio)",
+                  file=sys.stderr)
         result["runs"].append(run)
         del llm
         gc.collect()

@@ -44,6 +44,10 @@ def ruler_markdown(result: dict) -> str:
                  "replay cost per request (wall times vary run to run)\n\n" + table(
                      ["run", "length", "average", "multiturn", "resident after prefill", "resident mean",
                       "replays", "recomputed tokens", "dropped tokens", "wall s", "s / request"], rows))
+    over = [f"{run['label']} ({', '.join(run['over_ratio'])} tokens)" for run in runs if run.get("over_ratio")]
+    if over:
+        parts.append("Above their ratio (measured resident share more than 0.05 over it; the rows are not "
+                     "at that budget): " + "; ".join(over))
     if "multiturn" in spec["tasks"]:
         rows = [[run["label"], length] + [_score(v) for v in cells["rounds"]]
                 for run in runs for length, cells in run["tasks"]["multiturn"].items()]
