@@ -183,7 +183,8 @@ def _common_words(kit: TextKit, rng: random.Random, length: int, num_common: int
         return kit.encode("\n".join(f"{i}. {w}" for i, w in enumerate(entries, 1)))
 
     question = f"\n\nQuestion: Which {num_common} words appear most often in the list above?"
-    prefix = f"Answer: The {num_common} words that appear most often in the list are:"
+    # opened like the list itself: asked plainly, a small model writes bullets of numbers
+    prefix = f"Answer: The {num_common} words that appear most often in the list are:\n1."
     instruction = "Below is a numbered list of words. Some of the words appear many times.\n\n"
     prompt = _single_turn(kit, instruction, question, prefix, length,
                           lambda p, tokens: p.add(_fit(build, tokens, len(rare) * freq_rare)[1]))
