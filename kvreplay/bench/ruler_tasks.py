@@ -14,7 +14,9 @@ the asked length, the whole chat-templated prompt counted.
 | fwe | coded words, Zipf-distributed (alpha 2) | the 3 most frequent coded words |
 
 The assistant's turn opens with an answer prefix ("The special magic number for X mentioned in
-the provided text is"), as RULER does, so that a small model answers in place.
+the provided text is"), as RULER does, so that a small model answers in place; where several
+answers are asked (multi-value, multi-query, vt, cwe) it opens like the first of them, since
+SmolLM2-135M asked for a list otherwise writes bullets of the nearby text.
 """
 from __future__ import annotations
 
