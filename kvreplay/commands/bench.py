@@ -68,19 +68,46 @@ def register(subparsers) -> None:
     serve.set_defaults(func=run_serve)
 
     quality = commands.add_parser(
-        "quality", help="retrieval, fidelity and perplexity per policy and budget",
-        description="Quality of each policy against `full` on the same run: (a) retrieval of a fact "
-                    "planted at depths of a pydoc_data.topics haystack, exact match; (b) fidelity: "
-                    "top-1 agreement and KL of the policy's greedy continuation, teacher-forced "
-                    "under full attention; (c) perplexity on long real text.")
-    quality.add_argument("--tasks", type=_csv, default=["retrieval", "fidelity", "perplexity"],
-                         help="comma-separated subset of retrieval,fidelity,perplexity")
+        "quality", help="retrieval, fidelity and perplexity per policy and budget; RULER's tasks (--suite ruler)",
+        description="--suite classic (default): quality of each policy against `full` on the same run: "
+                    "(a) retrieval of a fact planted at depths of a pydoc_data.topics haystack, exact "
+                    "match; (b) fidelity: top-1 agreement and KL of the policy's greedy continuation, "
+                    "teacher-forced under full attention; (c) perplexity on long real text. "
+                    "--suite ruler: RULER's synthetic tasks (niah_single_1/2/3 over noise, Python-docs "
+                    "prose and UUID-keyed haystacks, niah_multikey, niah_multivalue, niah_multiquery, vt, "
+                    "cwe, fwe) generated with the model's tokenizer, plus `multiturn`: a 4-round chat "
+                    "over one document, a question per round about another quarter of it, scored per "
+                    "round. --policies (default: full and every lossy policy): `full` runs once, "
+                    "every other policy at each --ratios resident_ratio (over --resident-ratio), "
+                    "prefix caching off, the KV pool sized so that only the ratio limits (over "
+                    "--kv-cache-memory); scored by "
+                    "string_match_all; reports accuracy per task, the measured resident KV share and "
+                    "the replay cost (see docs/architecture.md §8).")
+    quality.add_argument("--suite", choices=("classic", "ruler"), default="classic",
+                         help="classic: retrieval, fidelity, perplexity; ruler: RULER's tasks and the "
+                              "multi-turn chat (default: %(default)s)")
+    quality.add_argument("--tasks", type=_csv, default=None,
+                         help="comma-separated subset (classic: retrieval,fidelity,perplexity; ruler: "
+                              "niah_single_1,niah_single_2,niah_single_3,niah_multikey,niah_multivalue,"
+                              "niah_multiquery,vt,cwe,fwe,multiturn) (default: all of the suite's)")
     quality.add_argument("--budgets", type=_csv, default=None,
-                         help="KV budgets to run each policy at, e.g. 64MiB,256MiB (default: --kv-cache-memory)")
-    quality.add_argument("--lengths", type=_ints, default=[1024, 2048], help="haystack tokens (default: 1024,2048)")
+                         help="classic: KV budgets to run each policy at, e.g. 64MiB,256MiB (default: --kv-cache-memory)")
+    quality.add_argument("--ratios", type=_floats, default=None,
+                         help="ruler: resident shares of full's KV each lossy policy runs at (resident_ratio), "
+                              "each in (0, 1] (default: 0.1,0.25,0.5)")
+    quality.add_argument("--lengths", type=_ints, default=None,
+                         help="classic: haystack tokens (default: 1024,2048); ruler: prompt tokens, the chat "
+                              "template included (default: 4096,7680)")
     quality.add_argument("--depths", type=_floats, default=[0.1, 0.3, 0.5, 0.7, 0.9],
-                         help="fact depths as fractions of the haystack (default: 0.1,...,0.9)")
-    quality.add_argument("--cases", type=int, default=1, help="retrieval cases per (length, depth) (default: 1)")
+                         help="classic: fact depths as fractions of the haystack (default: 0.1,...,0.9)")
+    quality.add_argument("--cases", type=int, default=None,
+                         help="classic: retrieval cases per (length, depth) (default: 1); ruler: cases per "
+                              "task and length (default: 25)")
+    quality.add_argument("--concurrent", type=int, default=8,
+                         help="ruler: cases decoded in one batch at most; the KV pool holds this many whole "
+                              "requests (default: %(default)s)")
+    quality.add_argument("--plot", dest="plot_path", default=None,
+                         help="ruler: write accuracy against resident KV share as a PNG here")
     quality.add_argument("--fidelity-prompts", type=int, default=4, help="(default: %(default)s)")
     quality.add_argument("--fidelity-context", type=int, default=1024, help="prompt tokens (default: %(default)s)")
     quality.add_argument("--fidelity-tokens", type=int, default=32, help="continuation tokens (default: %(default)s)")
@@ -135,17 +162,41 @@ def run_serve(args) -> int:
 
 
 def run_quality(args) -> int:
-    from kvreplay.bench.quality import QualitySpec, quality_suite
+    if args.suite == "ruler":
+        return run_ruler(args)
+    from kvreplay.bench.quality import TASKS, QualitySpec, quality_suite
     from kvreplay.bench.report import quality_markdown
     from kvreplay.commands.flags import engine_config_from_args
-    spec = QualitySpec(tasks=tuple(args.tasks), lengths=tuple(args.lengths), depths=tuple(args.depths),
-                       cases=args.cases, fidelity_prompts=args.fidelity_prompts,
+    spec = QualitySpec(tasks=tuple(args.tasks or TASKS), lengths=tuple(args.lengths or (1024, 2048)),
+                       depths=tuple(args.depths), cases=1 if args.cases is None else args.cases,
+                       fidelity_prompts=args.fidelity_prompts,
                        fidelity_context=args.fidelity_context, fidelity_tokens=args.fidelity_tokens,
                        ppl_tokens=args.ppl_tokens, seed=args.seed)
     config = engine_config_from_args(args)
     result = quality_suite(config, spec, args.policies or [args.policy],
                            args.budgets or [args.kv_cache_memory], progress=not args.no_progress)
     return _finish(args, result, quality_markdown(result))
+
+
+def run_ruler(args) -> int:
+    """`bench quality --suite ruler`: every argument is checked before the model loads."""
+    from kvreplay.bench.ruler import SUITE_TASKS, RulerSpec, default_policies, ruler_suite
+    from kvreplay.bench.ruler_report import ruler_markdown, ruler_plot
+    from kvreplay.commands.flags import engine_config_from_args
+    if args.budgets:
+        raise ValueError("--budgets is for --suite classic; the ruler suite's budget is --ratios")
+    spec = RulerSpec(tasks=tuple(args.tasks or SUITE_TASKS), lengths=tuple(args.lengths or (4096, 7680)),
+                     cases=25 if args.cases is None else args.cases,
+                     ratios=tuple(args.ratios or (0.1, 0.25, 0.5)), seed=args.seed,
+                     concurrent=args.concurrent)
+    if args.plot_path:
+        from kvreplay.bench.plots import _pyplot
+        _pyplot()  # no matplotlib: say so before the model work, not after
+    result = ruler_suite(engine_config_from_args(args), spec, args.policies or default_policies(),
+                         progress=not args.no_progress)
+    if args.plot_path:
+        ruler_plot(result, args.plot_path)
+    return _finish(args, result, ruler_markdown(result))
 
 
 def run_plot(args) -> int:
