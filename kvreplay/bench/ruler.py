@@ -8,7 +8,7 @@ never limits (`concurrent` full-length requests under the low watermark): the ra
 budget. Every case of one (policy, ratio, task, length) is one batched greedy `generate` call.
 
 Per case: RULER's `string_match_all` score; the resident KV share measured at every decode step
-from the KV manager (`resident_bytes`: hot blocks, cold tier and key index, against the blocks
+from the KV manager (`Reclaimer.resident_share`: hot blocks, cold tier and key index, against the blocks
 `full` holds for the same tokens), first (right after prefill and its trimming), mean and max;
 the request's counters (replays, replayed_tokens, dropped_tokens). Per batch: wall time.
 """
@@ -121,11 +121,10 @@ def make_cases(kit: TextKit, spec: RulerSpec) -> dict[tuple[str, int], list]:
 
 def _measure(engine, shares: dict[str, list[float]]) -> None:
     """Each decoding request's resident KV against the blocks `full` would hold for it."""
-    kv = engine.kv
+    reclaim = engine.scheduler.reclaim  # quest: the share decode attention reads (its memory is full's)
     for seq in engine.scheduler.running:
         if seq.num_uncomputed_tokens == 1:
-            full_bytes = -(-seq.num_computed_tokens // kv.block_size) * kv.block_bytes
-            shares.setdefault(seq.request_id, []).append(kv.resident_bytes(seq.seq_id) / full_bytes)
+            shares.setdefault(seq.request_id, []).append(reclaim.resident_share(seq))
 
 
 def run_batch(llm, prompts: list[list[int]], max_tokens: int, progress: bool) -> tuple[list[dict], float]:
