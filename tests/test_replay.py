@@ -171,9 +171,11 @@ def corpus(llm32):
 
 @pytest.fixture(scope="module")
 def replay32():
-    """Replay preset, always replay (threshold 0), prefix cache off so replays recompute."""
+    """Replay preset, always replay (threshold 0), prefix cache off so replays recompute; the
+    detector reads every layer and no heavy hitters stay hot, so every middle block drops."""
     return LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-               window_tokens=128, replay_threshold=0.0, enable_prefix_caching=False)
+               window_tokens=128, replay_threshold=0.0, enable_prefix_caching=False,
+               need_layers="all", heavy_tokens=0)
 
 
 def _check(llm):
