@@ -222,3 +222,70 @@ def test_integrity_covers_tier_bookkeeping(tmp_path):
     os.unlink(tier.disk[1].path)
     with pytest.raises(AssertionError, match="missing"):
         kv.check_integrity()
+
+
+# ---------------------------------------------------------------------- the engine, real model
+def _flush_pool(kv: KVManager) -> None:
+    """Pressure from elsewhere: take every free block (evicting the prefix cache's LRU into
+    the tier), then give them back empty."""
+    kv.add_sequence(-1)
+    assert kv.allocate(-1, kv.num_free_blocks * kv.block_size)
+    kv.free(-1)
+
+
+def _run(llm, prompt, params, flush_when) -> "RequestOutput":
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params)
+    flushed, done = False, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            done = output if output.finished else done
+        engine.check_integrity()
+        seq = engine.requests[request_id].seqs[0] if request_id in engine.requests else None
+        if not flushed and seq is not None and flush_when(engine, seq):
+            _flush_pool(engine.kv)
+            flushed = True
+            engine.check_integrity()
+    assert flushed
+    return done
+
+
+def test_replay_loads_from_the_tier_with_the_tokens_of_full(llm32):
+    """replay, threshold 0 (every dropped range replayed before the next step), the pool
+    flushed right after the prompt's middle was dropped: with the tier the dropped blocks are
+    loaded instead of recomputed, and the greedy tokens are full's."""
+    from kvreplay import LLM, SamplingParams
+    prompt = list(range(1000, 1200))
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = llm32.generate([prompt], params)[0].token_ids
+    stats = {}
+    for memory in ("0", "16MiB"):
+        llm = LLM(dtype="float32", policy="replay", trim="prefill", window_tokens=32, sink_tokens=4,
+                  replay_threshold=0, kv_cache_memory="24MiB", kv_tier_memory=memory,
+                  kv_tier_choice="load")
+        out = _run(llm, prompt, params, lambda engine, seq: engine.kv.dropped_blocks(seq.seq_id))
+        assert out.token_ids == want, memory
+        stats[memory] = out.stats
+    off, on = stats["0"], stats["16MiB"]
+    assert off.tier_loaded_tokens == 0 and off.replayed_tokens > 0
+    assert on.tier_loaded_tokens >= off.replayed_tokens and on.replayed_tokens == 0
+    assert on.replay_mismatches == 0 and on.tier_actual_seconds > 0
+
+
+def test_a_returning_chat_loads_its_history_from_disk(tmp_path, llm32):
+    """A chat's first round, the pool flushed (its blocks go to the disk tier), the second
+    round: its history is loaded, not prefilled, and the tokens are full's."""
+    from kvreplay import LLM, SamplingParams
+    params = SamplingParams(max_tokens=8, temperature=0)
+    first = list(range(500, 700))
+    llm = LLM(dtype="float32", kv_cache_memory="24MiB", kv_tier_dir=str(tmp_path), kv_tier_disk="64MiB",
+              kv_tier_choice="load")
+    reply = llm.generate([first], params)[0].token_ids
+    _flush_pool(llm.engine.kv)
+    llm.engine.check_integrity()
+    second = first + reply + list(range(800, 840))
+    out = llm.generate([second], params)[0]
+    llm.engine.check_integrity()
+    assert out.token_ids == llm32.generate([second], params)[0].token_ids
+    assert out.stats.prefix_hit_tokens == 0 and out.stats.tier_loaded_tokens == 192
+    assert llm.engine.kv.tier_io.tier.stats["load_bytes"] > 0

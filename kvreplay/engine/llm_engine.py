@@ -15,6 +15,7 @@ from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request, prompt_token_ids
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.engine.tier_loads import attach_tier
 from kvreplay.models.llama import LlamaModel
 from kvreplay.models.loader import load_model
 from kvreplay.outputs import CompletionOutput, RequestOutput
@@ -90,6 +91,7 @@ class LLMEngine:
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
                                   layered_chunk_tokens=config.max_num_batched_tokens)
+        self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -206,6 +208,8 @@ class LLMEngine:
         return outputs
 
     def _count_run(self, batch: ScheduledBatch, result: StepResult, started: float) -> None:
+        if self.tier_loader is not None:  # the recompute rate its cost model weighs loads against
+            self.tier_loader.observe_step(batch, time.perf_counter() - started)
         if batch.decodes:
             self.counters.decode_seconds += time.perf_counter() - started
             self.counters.hot_blocks_read += result.hot_reads

@@ -77,6 +77,10 @@ class TierIO:
         return loaded
 
     # ------------------------------------------------------------------ replays
+    def hashes(self, seq_id: int, indices: list[int]) -> list[int]:
+        """The chained hashes of `seq_id`'s blocks at `indices`."""
+        return [self.kv._hashes[seq_id][i] for i in indices]
+
     def restorable(self, seq_id: int, indices: list[int]) -> list[int]:
         """Of dropped table indices `indices`, those whose K/V the tier holds."""
         hashes = self.kv._hashes[seq_id]
