@@ -289,3 +289,30 @@ def test_a_returning_chat_loads_its_history_from_disk(tmp_path, llm32):
     assert out.token_ids == llm32.generate([second], params)[0].token_ids
     assert out.stats.prefix_hit_tokens == 0 and out.stats.tier_loaded_tokens == 192
     assert llm.engine.kv.tier_io.tier.stats["load_bytes"] > 0
+
+
+# ---------------------------------------------------------------------- planner and metrics
+def test_planner_counts_sessions_per_tier_level():
+    from kvreplay import planner
+    dims = planner.KVDims(num_layers=30, num_kv_heads=3, head_dim=64)
+    result = planner.plan(dims, 1024, budget_bytes=2**28, tier_memory_bytes=2**33, tier_disk_bytes=200 * 10**9)
+    block_bytes = 2 * 30 * 3 * 64 * 2 * 16  # bf16, 16-token blocks
+    assert result.block_bytes == block_bytes
+    assert result.tier_sessions == {"memory": 2**33 // (64 * block_bytes),
+                                    "disk": 200 * 10**9 // (64 * (block_bytes + planner.TIER_FILE_HEADER_BYTES))}
+    assert planner.plan(dims, 1024).tier_sessions == {}
+
+
+def test_metrics_export_the_tier_series():
+    from kvreplay.server.generation import EngineSnapshot
+    from kvreplay.server.metrics import ServerMetrics
+    snap = EngineSnapshot(tier=dict(memory_bytes=100, disk_bytes=300, loads=4, load_bytes=400, hits=4,
+                                    misses=2, corrupted=1, discarded=0),
+                          request_stats=dict(tier_loaded_tokens=64, tier_recomputed_tokens=16))
+    text = ServerMetrics(lambda: snap).render().decode()
+    for line in ('kvreplay_kv_tier_bytes{tier="memory"} 100.0', 'kvreplay_kv_tier_bytes{tier="disk"} 300.0',
+                 "kvreplay_kv_tier_loads_total 4.0", "kvreplay_kv_tier_load_bytes_total 400.0",
+                 "kvreplay_kv_tier_hits_total 4.0", "kvreplay_kv_tier_misses_total 2.0",
+                 "kvreplay_kv_tier_corrupted_files_total 1.0", "kvreplay_kv_tier_loaded_tokens_total 64.0",
+                 "kvreplay_kv_tier_recomputed_tokens_total 16.0"):
+        assert line in text, line

@@ -236,6 +236,10 @@ class SessionTier:
         while self.disk_used > self.disk_budget:
             self._delete(next(iter(self.disk)))
 
+    def snapshot(self) -> dict:
+        """Bytes per tier and the counters, for /metrics."""
+        return dict(self.stats, memory_bytes=self.memory_used, disk_bytes=self.disk_used)
+
     # ------------------------------------------------------------------ rates and checks
     def probe_seconds_per_byte(self) -> dict[str, float]:
         """A small startup probe of each tier's read cost (seconds per byte, per-file overhead
