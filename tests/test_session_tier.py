@@ -316,3 +316,13 @@ def test_metrics_export_the_tier_series():
                  "kvreplay_kv_tier_corrupted_files_total 1.0", "kvreplay_kv_tier_loaded_tokens_total 64.0",
                  "kvreplay_kv_tier_recomputed_tokens_total 16.0"):
         assert line in text, line
+
+
+def test_session_resume_bench_rejects_bad_arguments():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for args, message in ((["--rounds", "1"], "--rounds at least 2"), (["--modes", "sometimes"], "--modes takes")):
+        result = subprocess.run([sys.executable, os.path.join(root, "bench", "session_resume.py"), *args],
+                                capture_output=True, text=True, timeout=120, cwd=root)
+        assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 from kvreplay.engine.sequence import Sequence
 from kvreplay.engine.tier_costs import TierCosts
@@ -29,6 +30,9 @@ class TierLoader:
     def __init__(self, kv: KVManager, costs: TierCosts):
         self.kv = kv
         self.costs = costs
+        # Hashes each sequence was told to recompute: a replay asks again every step until its
+        # chunks are done, and a choice is counted once.
+        self._recomputing: weakref.WeakKeyDictionary[Sequence, set[int]] = weakref.WeakKeyDictionary()
 
     @property
     def tier(self) -> SessionTier:
@@ -48,7 +52,9 @@ class TierLoader:
         num_tokens = len(hashes) * self.kv.block_size
         if self.costs.prefer_load(load, self.costs.predict_recompute(num_tokens)):
             return True, load, by_tier
-        seq.stats.tier_recomputed_tokens += num_tokens
+        counted = self._recomputing.setdefault(seq, set())
+        seq.stats.tier_recomputed_tokens += len(set(hashes) - counted) * self.kv.block_size
+        counted.update(hashes)
         return False, load, by_tier
 
     def _count(self, seq: Sequence, by_tier: dict[str, int], predicted: float, started: float,
