@@ -26,7 +26,9 @@ Usage:
                                    tokens, layers of layered prefills, pool use, running,
                                    waiting, seconds)
     A policy may carry a variant: POLICY/layered computes prompts whose middle is dropped after
-    prefill one layer at a time (LLM(layered_prefill=True)); POLICY/chunked in token chunks.
+    prefill one layer at a time (LLM(layered_prefill=True)); POLICY/chunked in token chunks;
+    POLICY/tier adds the session tier (kv_tier_memory=--tier-memory, default 2GiB): dropped
+    blocks evicted from the prefix cache are loaded back instead of replayed when cheaper.
 """
 from __future__ import annotations
 
@@ -41,14 +43,15 @@ import torch
 def run_policy(name: str, budget_bytes: int, prompts: list[list[int]], args, timeline=None) -> dict:
     from kvreplay import LLM, SamplingParams
     policy, _, variant = name.partition("/")
-    if variant not in ("", "layered", "chunked"):
-        raise SystemExit(f"unknown variant {variant!r} in {name!r}: use POLICY, POLICY/layered or POLICY/chunked")
-    layered = args.layered_prefill if not variant else variant == "layered"
+    if variant not in ("", "layered", "chunked", "tier"):
+        raise SystemExit(f"unknown variant {variant!r} in {name!r}: use POLICY, POLICY/layered, "
+                         "POLICY/chunked or POLICY/tier")
+    layered = args.layered_prefill if variant in ("", "tier") else variant == "layered"
     llm = LLM(dtype=args.dtype, device=args.device, kv_cache_memory=budget_bytes, policy=policy, trim=args.trim,
               window_tokens=args.window_tokens, replay_threshold=args.replay_threshold,
               need_layers=args.need_layers, heavy_tokens=args.heavy_tokens,
               resident_ratio=args.resident_ratio, max_num_seqs=args.max_num_seqs,
-              layered_prefill=layered,
+              layered_prefill=layered, kv_tier_memory=args.tier_memory if variant == "tier" else 0,
               **({"watermarks": args.watermarks} if args.watermarks else {}))
     engine = llm.engine
     batches = []
@@ -123,6 +126,7 @@ def run_policy(name: str, budget_bytes: int, prompts: list[list[int]], args, tim
         "replays": sum(s.replays for s in stats), "replayed_tokens": replayed,
         "replay_share": replayed / (prompt_tokens + replayed + output_tokens),
         "approx_tokens": sum(s.approx_tokens for s in stats),
+        "tier_loaded_tokens": sum(s.tier_loaded_tokens for s in stats),
         "need_fires": engine.counters.need_fires, "need_checks": engine.counters.need_checks,
         "peak_pool_bytes": engine.kv.peak_used_blocks * engine.kv.block_bytes,
         "peak_index_bytes": engine.kv.peak_index_bytes,
@@ -155,6 +159,7 @@ def main(argv=None) -> None:
                              "time, for every policy without a variant (default: off, the engine's "
                              "default); 'replay/layered' or 'replay/chunked' in --policies sets it "
                              "for one run")
+    parser.add_argument("--tier-memory", default="2GiB", help="session tier memory of POLICY/tier runs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--watermarks", default=None,
@@ -198,13 +203,14 @@ def main(argv=None) -> None:
         run["matching_prefix_vs_first"] = sum(prefix) / len(prefix)
     header = ("policy", "decode tok/s", "output tok/s", "wall s", "TTFT mean/p50/max s", "mean batch",
               "peak running", "pauses",
-              "replays", "replayed tok", "replay share", "approx tok", "exact vs first", "match prefix")
+              "replays", "replayed tok", "tier loaded tok", "replay share", "approx tok", "exact vs first",
+              "match prefix")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in runs:
         print(f"| {r['policy']} | {r['decode_tok_s']:.1f} | {r['output_tok_s']:.1f} | {r['wall_s']:.1f} | "
               f"{r['ttft_mean_s']:.1f} / {r['ttft_p50_s']:.1f} / {r['ttft_max_s']:.1f} | {r['mean_decode_batch']:.1f} | {r['peak_running']} | {r['pauses']} | {r['replays']} | "
-              f"{r['replayed_tokens']} | {r['replay_share']:.3f} | {r['approx_tokens']} | "
+              f"{r['replayed_tokens']} | {r['tier_loaded_tokens']} | {r['replay_share']:.3f} | {r['approx_tokens']} | "
               f"{r['exact_vs_first']:.2f} | {r['matching_prefix_vs_first']:.1f} |")
     print()
     print("decode-only steps by phase: while requests wait (at capacity) | once none waits (drain)")

@@ -10,6 +10,7 @@ import torch
 
 from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
 from kvreplay.kv.quant import KINDS as COLD_KINDS
+from kvreplay.kv.session_tier import TIER_CHOICES, check_tier_dir, parse_budget
 from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, check_number, ints, knob,
                                knob_docs, numbers, one_of, parse_bytes)  # parse_bytes: re-exported
 
@@ -219,6 +220,23 @@ class EngineConfig:
                "resident_ratio at prefill (snapkv, replay with trim prefill and a ratio): the cut "
                "needs the whole middle's attention, so such prompts prefill in chunks",
         check=boolean)
+    kv_tier_memory: int | str = knob(
+        0, "session tier: host memory for blocks evicted from the pool (bytes or a size like "
+           "2GiB; 0: off), read back on a prefix miss, replay or resume when cheaper than "
+           "recomputing", check=lambda name, value, owner: parse_budget(name, value),
+        parsed="kv_tier_memory_bytes")
+    kv_tier_disk: int | str = knob(
+        "8GiB", "session tier: bytes of block files under kv_tier_dir (used only with a "
+                "kv_tier_dir; 0: no disk tier)", check=lambda name, value, owner: parse_budget(name, value),
+        parsed="kv_tier_disk_bytes")
+    kv_tier_dir: str | None = knob(
+        None, "session tier: directory for block files (a per-user 0700 subdirectory is made "
+              "in it; files survive restarts)", type=str, default_help="none: no disk tier",
+        check=applying(check_tier_dir))
+    kv_tier_choice: str = knob(
+        "cost", "session tier: how a missing range comes back: cost (load or recompute, "
+                "whichever the measured rates predict cheaper), load, or recompute",
+        choices=TIER_CHOICES, check=one_of(TIER_CHOICES))
 
     def __post_init__(self):
         check_knobs(self)

@@ -18,6 +18,12 @@ class RequestStats:
     pauses: int = 0
     replay_mismatches: int = 0
     preemptions: int = 0  # pauses that kept nothing (vLLM-style recompute)
+    # The session tier (engine/tier_loads.py): tokens read back instead of recomputed; tokens
+    # the tier held but recompute was predicted cheaper; predicted and measured seconds of loads.
+    tier_loaded_tokens: int = 0
+    tier_recomputed_tokens: int = 0
+    tier_predicted_seconds: float = 0.0
+    tier_actual_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

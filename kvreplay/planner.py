@@ -281,6 +281,9 @@ class RequestPlan:
     waste_tokens: int
     budget_bytes: int | None
     policies: list[PolicyPlan] = field(default_factory=list)
+    # The session tier (kv/session_tier.py) keeps a session's full blocks: sessions of this
+    # context each of its levels holds ('memory', 'disk'), for the budgets planned.
+    tier_sessions: dict[str, int] = field(default_factory=dict)
 
     @property
     def full_bytes(self) -> int:
@@ -295,9 +298,27 @@ class RequestPlan:
         return out
 
 
+TIER_FILE_HEADER_BYTES = 512  # a disk tier file's header (stamp, hash, tokens, checksum), at most about
+
+
+def tier_sessions(block_bytes: int, context_tokens: int, block_size: int, memory_bytes: int = 0,
+                  disk_bytes: int = 0) -> dict[str, int]:
+    """Sessions of `context_tokens` the session tier's memory and disk levels hold: their full
+    blocks (a partial last block is recomputed), a disk file's header counted per block."""
+    full_blocks = max(1, context_tokens // block_size)
+    out = {}
+    if memory_bytes:
+        out["memory"] = memory_bytes // (full_blocks * block_bytes)
+    if disk_bytes:
+        out["disk"] = disk_bytes // (full_blocks * (block_bytes + TIER_FILE_HEADER_BYTES))
+    return out
+
+
 def plan(dims: KVDims, context_tokens: int, knobs: PlanKnobs = PlanKnobs(),
-         budget_bytes: int | None = None, policies: list[str] | None = None) -> RequestPlan:
-    """Per-request KV bytes at `context_tokens` under each policy, and how many fit `budget_bytes`."""
+         budget_bytes: int | None = None, policies: list[str] | None = None,
+         tier_memory_bytes: int = 0, tier_disk_bytes: int = 0) -> RequestPlan:
+    """Per-request KV bytes at `context_tokens` under each policy, how many fit `budget_bytes`,
+    and how many sessions the session tier's budgets hold."""
     zones = Zones.of(context_tokens, knobs)
     result = RequestPlan(context_tokens, dims.bytes_per_token(knobs.dtype_bytes),
                          _block_bytes(dims, knobs), zones.num_blocks,
@@ -308,6 +329,8 @@ def plan(dims: KVDims, context_tokens: int, knobs: PlanKnobs = PlanKnobs(),
         if budget_bytes is not None:
             policy_plan.max_concurrency = budget_bytes // policy_plan.resident_bytes
         result.policies.append(policy_plan)
+    result.tier_sessions = tier_sessions(result.block_bytes, context_tokens, knobs.block_size,
+                                         tier_memory_bytes, tier_disk_bytes)
     return result
 
 

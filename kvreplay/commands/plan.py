@@ -47,6 +47,10 @@ def register(subparsers) -> None:
     what.add_argument("--policies", default=",".join(planner.DEFAULT_POLICIES),
                       help="comma-separated, cold dtype as a suffix (default: %(default)s; also "
                            "replay+cold:int8, and snapkv, h2o, quest with --resident-ratio)")
+    what.add_argument("--tier-memory", default=None,
+                      help="session tier host memory (kv_tier_memory), e.g. 8GiB: sessions it holds")
+    what.add_argument("--tier-disk", default=None,
+                      help="session tier disk budget (kv_tier_disk), e.g. 200GB: sessions it holds")
     knobs = parser.add_argument_group("knobs")
     defaults = planner.PlanKnobs()
     knobs.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(planner.KV_DTYPE_BYTES),
@@ -94,7 +98,8 @@ def run_plan(args) -> int:
     budget = parse_bytes(args.budget) if args.budget else None
     contexts = args.context or sorted({1024, 8192, dims.max_context_tokens or 8192})
     policies = [p for p in args.policies.split(",") if p.strip()]
-    plans = [planner.plan(dims, t, knobs, budget, policies) for t in contexts]
+    tier = [parse_bytes(value) if value else 0 for value in (args.tier_memory, args.tier_disk)]
+    plans = [planner.plan(dims, t, knobs, budget, policies, *tier) for t in contexts]
     if args.json:
         json.dump({"model": asdict_dims(dims), "knobs": knobs.__dict__, "plans": [p.as_dict() for p in plans]},
                   sys.stdout, indent=2)
@@ -152,4 +157,7 @@ def render(dims: planner.KVDims, knobs: planner.PlanKnobs, plans: list[planner.R
             if p.max_concurrency is not None:
                 row += f"{p.max_concurrency:>16,}" if p.max_concurrency else f"{'0 (too big)':>16}"
             lines.append(row)
+        if request.tier_sessions:
+            held = "; ".join(f"{level} holds {count:,}" for level, count in request.tier_sessions.items())
+            lines.append(f"  session tier (full blocks of this context per session): {held}")
     return "\n".join(lines)

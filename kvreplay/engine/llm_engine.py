@@ -4,44 +4,25 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
+from kvreplay.engine.counters import EngineCounters
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request, prompt_token_ids
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.engine.tier_loads import attach_tier
 from kvreplay.models.llama import LlamaModel
 from kvreplay.models.loader import load_model
 from kvreplay.outputs import CompletionOutput, RequestOutput
 from kvreplay.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCounters:
-    """Totals since start, for metrics."""
-    steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0   # pauses that kept nothing
-    pauses: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    need_checks: int = 0        # decode rows the need detector looked at
-    need_fires: int = 0         # ... and judged to need a replay
-    replay_mismatches: int = 0
-    sparse_selected_blocks: int = 0   # cold blocks attended (per layer and KV head)
-    sparse_candidate_blocks: int = 0  # cold blocks that could have been
-    dequant_seconds: float = 0.0      # time spent dequantizing cold blocks for attention
-    decode_seconds: float = 0.0       # time of steps that decoded (the share's denominator)
-    hot_blocks_read: int = 0          # hot blocks decode attention read (per layer and KV head)
 
 
 class LLMEngine:
@@ -95,6 +76,7 @@ class LLMEngine:
                                   layered_chunk_tokens=config.max_num_batched_tokens,
                                   select_hot=self.scheduler.reclaim.attention_selection
                                   if config.kv_policy.selects_per_step else None)
+        self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -211,6 +193,8 @@ class LLMEngine:
         return outputs
 
     def _count_run(self, batch: ScheduledBatch, result: StepResult, started: float) -> None:
+        if self.tier_loader is not None:  # the recompute rate its cost model weighs loads against
+            self.tier_loader.observe_step(batch, time.perf_counter() - started)
         if batch.decodes:
             self.counters.decode_seconds += time.perf_counter() - started
             self.counters.hot_blocks_read += result.hot_reads

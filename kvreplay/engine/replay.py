@@ -31,6 +31,7 @@ class ReplayTracker:
         self.kv = kv
         self.approx_prefill = approx_prefill  # prefill chunks attend to what is resident instead
         self.threshold = threshold            # need share above which a dropped block comes back
+        self.loader = None  # the session tier's TierLoader (engine/tier_loads.py), when one is on
 
     # ------------------------------------------------------------------ questions
     def wants_replay(self, seq: Sequence) -> bool:
@@ -67,12 +68,18 @@ class ReplayTracker:
         else:
             restored = kv.restore_cached(seq.seq_id, seq.token_ids, [seq.replay.until]) \
                 or kv.restore_cached(seq.seq_id, seq.token_ids, self.replay_left(seq))
+        if self.loader is not None and self.replay_left(seq):  # then what the session tier holds
+            restored = self.loader.restore(seq, self.replay_left(seq)) or restored
         if restored:
             self.start(seq, step)
         if self.replay_left(seq):
             return True
         self.end(seq)
         return False
+
+    def load_prefix(self, seq: Sequence) -> int:
+        """At admission: tokens after the prefix-cache hit loaded from the session tier."""
+        return self.loader.load_prefix(seq) if self.loader is not None else 0
 
     def start(self, seq: Sequence, step: int) -> None:
         if not seq.replay.active:

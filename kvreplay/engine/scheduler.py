@@ -201,7 +201,7 @@ class Scheduler:
                 break  # (alone, it prefills in chunks instead)
             self.waiting.popleft()
             hit_tokens = self.kv.adopt_prefix(seq.seq_id, hits)
-            seq.num_computed_tokens += hit_tokens
+            seq.num_computed_tokens += hit_tokens + self.replay.load_prefix(seq)
             seq.stats.prefix_hit_tokens += hit_tokens
             self.replay.resumed(seq)
             seq.status = SequenceStatus.RUNNING

@@ -25,6 +25,7 @@ class BlockPool:
         self._empty: list[int] = list(range(num_blocks))  # a heap (sorted: already one)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached free blocks, oldest first
         self.evictions = 0
+        self.on_evict = None  # called with (block, its cache key) before an eviction reuses it
 
     @property
     def num_free(self) -> int:
@@ -44,6 +45,8 @@ class BlockPool:
             block = heapq.heappop(self._empty)
         else:
             block, _ = self._lru.popitem(last=False)
+            if self.on_evict is not None:  # the session tier keeps a copy (kv/tier_io.py)
+                self.on_evict(block, self.cache.key(block))
             self.cache.forget(block)
             self.evictions += 1
         assert self.ref_counts[block] == 0, f"free block {block} has references"

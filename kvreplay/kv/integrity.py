@@ -8,6 +8,8 @@ def check_integrity(kv) -> None:
     """Ref counts equal table references; free lists, LRU and cache entries agree; every
     sequence's hash chain matches the cached content of its blocks; pins are held."""
     kv.pool.check_integrity(kv.block_size)
+    if kv.tier_io is not None:
+        kv.tier_io.tier.check_integrity()
     counted = [0] * kv.num_blocks
     for block in kv.tiers.reserved + [b for _, blocks in kv.layered.active.values() for b in blocks]:
         counted[block] += 1

@@ -37,6 +37,7 @@ from kvreplay.kv.key_index import KeyIndex
 from kvreplay.kv.layered import LayeredPrefills
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
 from kvreplay.kv.tiers import DROPPED, TierMoves, blocks_for as _blocks_for
+from kvreplay.kv.tier_io import TierIO
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,11 @@ class KVManager:
         self.peak_resident_bytes = 0
         self.peak_index_bytes = 0
         self.importance = BlockImportance()  # observed attention mass per block
+        self.tier_io: TierIO | None = None  # the session tier below the pool (attach_tier)
+
+    def attach_tier(self, tier) -> None:
+        """Own the session tier `tier` (kv/session_tier.py): evicted cached blocks go to it."""
+        self.tier_io = TierIO(self, tier)
 
     # ------------------------------------------------------------------ queries
     @property

@@ -18,8 +18,13 @@ HashFn = Callable[[int | None, tuple[int, ...], tuple], int]
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...], extra_keys: tuple = ()) -> int:
     """Hash of one full block given its parent block's hash. Python's hash of a tuple of ints
-    is deterministic across runs (no string salting is involved)."""
-    return hash((parent, tokens, extra_keys))
+    is deterministic across runs (no string salting is involved); the first block's missing
+    parent is a constant, not None (whose hash is its address before Python 3.12), so the
+    session tier's files keep their names across restarts."""
+    return hash((_ROOT if parent is None else parent, tokens, extra_keys))
+
+
+_ROOT = 0x6B767265706C6179  # "kvreplay": the parent of a sequence's first block
 
 
 class PrefixCache:

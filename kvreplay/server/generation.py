@@ -29,6 +29,7 @@ class EngineSnapshot:
     num_waiting: int = 0
     counters: dict = field(default_factory=dict)        # EngineCounters fields
     request_stats: dict = field(default_factory=dict)   # RequestStats fields summed over finished seqs
+    tier: dict = field(default_factory=dict)            # the session tier's SessionTier.snapshot(), if on
 
 
 class Generation:

@@ -45,6 +45,18 @@ _REQUEST_STAT_COUNTERS = {
     "cold_blocks": ("cold_blocks", "Blocks demoted to the cold tier"),
     "approx_tokens": ("approx_tokens", "Tokens attended approximately (sparse or quantized KV)"),
     "replay_mismatches": ("replay_mismatches", "Replays whose recomputed KV did not match"),
+    "kv_tier_loaded_tokens": ("tier_loaded_tokens", "Tokens loaded from the session tier instead of recomputed"),
+    "kv_tier_recomputed_tokens": ("tier_recomputed_tokens",
+                                  "Tokens the session tier held but recompute was predicted cheaper"),
+}
+# metric name -> (SessionTier.snapshot() key, help): the session tier's counters
+_TIER_COUNTERS = {
+    "kv_tier_loads": ("loads", "Blocks loaded from the session tier"),
+    "kv_tier_load_bytes": ("load_bytes", "Bytes loaded from the session tier"),
+    "kv_tier_hits": ("hits", "Session tier lookups that found the block"),
+    "kv_tier_misses": ("misses", "Session tier lookups that did not (or found a bad file)"),
+    "kv_tier_corrupted_files": ("corrupted", "Session tier files discarded: torn or failed their checksum"),
+    "kv_tier_discarded_blocks": ("discarded", "Blocks that fell off the session tier's last level"),
 }
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -89,6 +101,12 @@ class _EngineCollector:
             yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.counters.get(source, 0))
         for name, (source, doc) in _REQUEST_STAT_COUNTERS.items():
             yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.request_stats.get(source, 0))
+        tier = GaugeMetricFamily("kvreplay_kv_tier_bytes", "Bytes in the session tier", labels=["tier"])
+        for level in ("memory", "disk"):
+            tier.add_metric([level], snap.tier.get(f"{level}_bytes", 0))
+        yield tier
+        for name, (source, doc) in _TIER_COUNTERS.items():
+            yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.tier.get(source, 0))
 
 
 class ServerMetrics:
