@@ -155,12 +155,13 @@ def _is_built(name: str) -> bool:
 def build_name(name: str) -> str:
     """The cached build's module name: the extension's name and a hash of everything the build
     depends on. -march=native builds for this CPU, so a home directory shared by machines with
-    other CPUs must not load it there: the CPU is part of the key. So is the checkout's path:
-    torch's build files name the sources by path, and two checkouts (git worktrees) sharing one
-    build folder would rebuild it in turn, each time the other loads."""
+    other CPUs must not load it there: the CPU is part of the key. The checkout's path is not
+    (a fresh clone reuses the build), so two checkouts used at once (git worktrees) should each
+    set their own TORCH_EXTENSIONS_DIR: torch's build files name the sources by path, and a
+    shared folder is rebuilt each time the other checkout loads."""
     sources, headers, _, _, flags = _EXTENSIONS[name]
     text = "".join(f"{filename}\n{(CSRC / filename).read_text()}" for filename in [*sources, *headers])
-    key = str(CSRC.resolve()) + text + " ".join(flags) + _cpu_signature()
+    key = text + " ".join(flags) + _cpu_signature()
     return f"kvreplay_{name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
