@@ -176,7 +176,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BASELINES = {"snapkv": {}, "h2o": {}, "window": {}, "quest": {},
-             "replay": {"trim": "prefill", "replay_threshold": 1.0}}
+             "replay": {"trim": "prefill", "replay_threshold": 1.0, "heavy_tokens": 0}}
 
 
 def _llm(model: str, policy: str = "full", **knobs) -> LLM:
