@@ -33,8 +33,7 @@ import time
 
 import torch
 
-NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key", "the night train",
-         "the glass garden", "the silver fox", "the river gate", "the paper moon", "the iron bridge")
+from kvreplay.bench.quality import NAMES  # the retrieval bench's fact names
 
 
 def make_requests(tokenizer, corpus: list[int], count: int, prompt_tokens: int, seed: int) -> list[dict]:

@@ -26,6 +26,7 @@ the model file's sha256, the dtype and the block size, so the pass runs once per
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -85,7 +86,7 @@ def cache_dir() -> Path:
 
 def model_digest(source: str) -> str | None:
     """sha256 of the model file (or of a model directory's weight and config files), None when
-    there is no file."""
+    there is no file. Hashed once per process and file version: every replay engine asks."""
     path = Path(source)
     if path.is_file():
         files = [path]
@@ -93,8 +94,14 @@ def model_digest(source: str) -> str | None:
         files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".json", ".gguf"))
     else:
         return None
+    return _digest(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    """sha256 over the files' bytes; the sizes and mtimes in the key make a rewritten file miss."""
     digest = hashlib.sha256()
-    for file in files:
+    for file, _, _ in files:
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 digest.update(chunk)
@@ -124,13 +131,10 @@ def lookup(source: str, dtype: torch.dtype = torch.bfloat16, block_size: int = 1
 def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
     """The cached calibration of this model and block size, else a fresh pass (then cached)."""
     num_layers = model.config.num_layers
-    if num_layers < MIN_LAYERS:
-        return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size,
-                           f"every layer: fewer than {MIN_LAYERS} layers")
-    digest = model_digest(source)
+    digest = model_digest(source) if num_layers >= MIN_LAYERS else None
     if digest is None:
-        return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size,
-                           "every layer: no model file to key a calibration by")
+        why = f"fewer than {MIN_LAYERS} layers" if num_layers < MIN_LAYERS else "no model file to key a calibration by"
+        return Calibration(tuple(range(num_layers)), HEAVY_BLOCKS[0] * block_size, f"every layer: {why}")
     path = cache_path(digest, model.dtype, block_size)
     cached = read_cached(path)
     if cached is not None:
