@@ -230,6 +230,34 @@ def test_build_is_keyed_by_the_cpu(monkeypatch):
     assert all(n.startswith("kvreplay_layer_ops_") for n in names.values())
 
 
+def test_a_killed_build_does_not_hang_the_next_one(monkeypatch, tmp_path):
+    """torch's build `lock` file outlives a build killed midway, and torch waits on it forever;
+    the next start clears it once the dead build's OS lock is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path\n"
+        "from kvreplay.kernels import cpu_kernels\n"
+        "with cpu_kernels._build_lock('kvreplay_fake_ext') as d:\n"
+        "    (d / 'lock').touch(); print('building', flush=True); time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, env={**__import__("os").environ})
+    try:
+        assert child.stdout.readline().strip() == "building"
+        build_dir = next(tmp_path.rglob("kvreplay_fake_ext"))
+        assert (build_dir / "lock").exists()
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    start = time.monotonic()
+    with cpu_kernels._build_lock("kvreplay_fake_ext") as d:
+        assert d == build_dir and not (d / "lock").exists()
+    assert time.monotonic() - start < 10
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stale_cache_rows_past_the_context_are_never_used(op, dtype):
     """A last block's rows past the context hold whatever an earlier sequence left there, NaN

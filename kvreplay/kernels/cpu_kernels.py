@@ -25,6 +25,8 @@ Set KVREPLAY_CPU_KERNELS=0 to skip both (no compiler, or to compare against the 
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -165,6 +167,33 @@ def build_name(name: str) -> str:
     return f"kvreplay_{name}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
+@contextlib.contextmanager
+def _build_lock(module: str):
+    """Serialise builds of `module` across processes with a lock the OS drops when its holder
+    dies, and clear torch's own `lock` file under it. torch waits forever on that file, and a
+    build killed midway (a timeout, ^C) leaves it behind: every later start would hang."""
+    from torch.utils.cpp_extension import _get_build_directory
+    build_dir = Path(_get_build_directory(module, verbose=False))
+    with open(build_dir.parent / f"{module}.kvreplay-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            clear_stale_baton(build_dir)
+            yield build_dir
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def clear_stale_baton(build_dir: Path) -> bool:
+    """Remove torch's build `lock` in `build_dir`; call only holding `_build_lock` (then no live
+    kvreplay build owns it). True if one was there."""
+    baton = build_dir / "lock"
+    if not baton.exists():
+        return False
+    log.warning("removing a stale kernel build lock left by a stopped build: %s", baton)
+    baton.unlink(missing_ok=True)
+    return True
+
+
 def _build(name: str) -> Any | None:
     sources, _, namespace, op, flags = _EXTENSIONS[name]
     if hasattr(getattr(torch.ops, namespace), op):
@@ -175,8 +204,9 @@ def _build(name: str) -> Any | None:
         if not _is_built(module):  # a silent half-minute pause would look like a hang
             print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
                   "machine, ~30-60 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
-        load(name=module, sources=[str(CSRC / filename) for filename in sources], is_python_module=False,
-             extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
+        with _build_lock(module):
+            load(name=module, sources=[str(CSRC / filename) for filename in sources], is_python_module=False,
+                 extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
         return getattr(torch.ops, namespace)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the PyTorch path works
         log.warning("CPU %s kernel unavailable (%s: %s); using the PyTorch path", name,
