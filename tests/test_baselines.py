@@ -27,13 +27,14 @@ def _hot(kv: KVManager, seq: Sequence) -> list[int]:
     return [i for i, block in enumerate(kv.block_table(seq.seq_id)) if block != DROPPED]
 
 
-def _prefilled(policy: str, ratio: float | None, trim: str = "pressure", window_tokens: int = 32):
+def _prefilled(policy: str, ratio: float | None, trim: str = "pressure", window_tokens: int = 32,
+               heavy_tokens: int = 0):
     """A scheduler on a tiny pool with one 160-token prompt just prefilled, its middle blocks
     scored SCORES by the prefill observation, and the step's trim done."""
     kv = KVManager(64, BLOCK, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                    enable_prefix_caching=False)
     scheduler = Scheduler(kv, 512, 8, policy=POLICIES[policy], window_tokens=window_tokens,
-                          trim=trim, resident_ratio=ratio)
+                          trim=trim, resident_ratio=ratio, heavy_tokens=heavy_tokens)
     seq = Sequence("r", list(range(PROMPT)), SamplingParams(max_tokens=16), set(), None)
     seq.max_tokens, seq.pinned_tokens = 16, 4
     scheduler.add(seq)
@@ -115,6 +116,18 @@ def test_replay_at_a_ratio_cuts_the_prompt_to_it_keeping_snapkvs_blocks():
     assert 0.5 - 1 / 20 <= scheduler.reclaim.resident_share(seq) <= 0.5
     kv, scheduler, seq = _prefilled("replay", None, trim="prefill")
     assert _hot(kv, seq) == [0, 16, 17, 18, 19]
+
+
+def test_replays_heavy_hitters_count_inside_its_ratio():
+    """Heavy hitters (here 8 blocks, more than r=0.5 leaves for the middle beside the sinks, a
+    window of half the budget and the key index) do not lift replay above its ratio: the cap
+    drops the least attended of them too, and what stays of the middle is the most attended."""
+    kv, scheduler, seq = _prefilled("replay", 0.5, heavy_tokens=8 * BLOCK)
+    for _ in range(2):
+        _decode(kv, scheduler, seq)
+    assert scheduler.reclaim.resident_share(seq) <= 0.5
+    kept = set(_hot(kv, seq)) & set(SCORES)
+    assert kept and kept == _top(len(kept))
 
 
 def test_quest_selection_budget():

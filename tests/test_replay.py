@@ -341,11 +341,12 @@ def test_need_layers_limit_what_the_detector_reads(replay32, corpus):
 
 def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(corpus):
     """A number planted mid-prompt and asked for at the end: the middle is dropped after prefill,
-    the detector (threshold 0.65, layers 20-23 as calibrated in docs/benchmarks/replay.md) must
+    the detector (threshold 0.65, layers 20-23 as calibrated in docs/benchmarks/replay.md, no heavy hitters) must
     replay and the answer must be right. Plain text continued for 16 tokens: no replay at all."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23", enable_prefix_caching=False)
+              window_tokens=128, need_layers="20-23", heavy_tokens=0,
+              enable_prefix_caching=False)
     assert llm.engine.kv.key_index.layers == [20, 21, 22, 23]  # the index keeps what the detector reads
     cases = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3, 0.7), seed=0))
     for case in cases:
@@ -365,7 +366,8 @@ def test_need_replay_brings_back_only_up_to_the_needed_block(corpus):
     attend without them). A fact at 30% of the prompt: about a third of the middle comes back."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23", enable_prefix_caching=False)
+              window_tokens=128, need_layers="20-23", heavy_tokens=0,
+              enable_prefix_caching=False)
     case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3,), seed=0))[0]
     engine = llm.engine
     dropped_after_replay = []
@@ -391,7 +393,7 @@ def test_need_replay_is_free_when_the_needed_block_is_still_cached(corpus):
     before it), and recomputes nothing."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23")
+              window_tokens=128, need_layers="20-23", heavy_tokens=0)
     case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.7,), seed=0))[0]
     engine = llm.engine
     dropped = []

@@ -47,9 +47,9 @@ class Reclaimer:
         self.resident_ratio = resident_ratio
         self.chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
 
-    def middle(self, seq: Sequence) -> list[int]:
-        """Hot middle blocks of `seq` that dropping would free, less its heavy hitters (the
-        `heavy_tokens` worth of middle blocks with the most observed attention)."""
+    def middle(self, seq: Sequence, spare_heavy: bool = True) -> list[int]:
+        """Hot middle blocks of `seq` that dropping would free, less (`spare_heavy`) its heavy
+        hitters (the `heavy_tokens` worth of middle blocks with the most observed attention)."""
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
             return []
         hot_from = seq.hot_from if self.policy.demotes else None
@@ -57,6 +57,8 @@ class Reclaimer:
         blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent,
                                     self.kv.block_size, hot_from)
         middle = self.kv.droppable(seq.seq_id, blocks)
+        if not spare_heavy:
+            return middle
         heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
         return [index for index in middle if index not in heavy]
 
@@ -192,9 +194,10 @@ class Reclaimer:
                     self._fit_ratio(seq)
 
     def _fit_ratio(self, seq: Sequence) -> None:
-        """Drop `seq`'s middle blocks, least important first (cold ones once the hot middle is
-        gone), until its resident KV (hot + cold + key index) is within `resident_ratio` of
-        the blocks `full` would hold for it. A sequence that replayed in the last
+        """Drop `seq`'s middle blocks until its resident KV (hot + cold + key index) is within
+        `resident_ratio` of the blocks `full` would hold for it: the hot middle least important
+        first, then cold blocks, then the heavy hitters (they count inside the ratio, so a
+        policy with them keeps no more than one without). A sequence that replayed in the last
         `RETRIM_AFTER_STEPS` steps keeps its replayed middle: trimming it at once let the need
         detector fire again at the next step, one replay per token."""
         kv = self.kv
@@ -203,16 +206,20 @@ class Reclaimer:
         excess = kv.resident_bytes(seq.seq_id) - limit
         if excess <= 0:
             return
-        candidates = self._order(seq, self.middle(seq), 0)
+        light = set(self.middle(seq))
+        heavy = [index for index in self.middle(seq, spare_heavy=False) if index not in light]
+        order = [self._order(seq, sorted(light), 0)]
         if self.policy.demotes:
-            candidates += self._order(seq, kv.cold_blocks(seq.seq_id), 1)
+            order.append(self._order(seq, kv.cold_blocks(seq.seq_id), 1))
+        order.append(self._order(seq, heavy, 0))
         keep_index = self.policy.keeps_key_index
         chosen: tuple[list[int], list[int]] = ([], [])  # hot, cold table indices
-        for (_, cold, _, index, _), _ in sorted(candidates, key=lambda c: c[0]):
-            if excess <= 0:
-                break
-            chosen[cold].append(index)
-            excess -= kv.bytes_freed_by_drop(bool(cold), keep_index)
+        for group in order:
+            for (_, cold, _, index, _), _ in sorted(group, key=lambda c: c[0]):
+                if excess <= 0:
+                    break
+                chosen[cold].append(index)
+                excess -= kv.bytes_freed_by_drop(bool(cold), keep_index)
         # one call per tier: after a replay this drops the whole middle again (~180 blocks for
         # a 3,000-token prompt), and per-block calls cost ~0.4 ms each
         kv.drop(seq.seq_id, chosen[0], keep_index=keep_index)
