@@ -291,6 +291,29 @@ def test_a_returning_chat_loads_its_history_from_disk(tmp_path, llm32):
     assert llm.engine.kv.tier_io.tier.stats["load_bytes"] > 0
 
 
+def test_a_paused_request_resumes_from_the_tier(llm32):
+    """Two requests outgrow a small pool: one is paused and its released blocks, pushed out of
+    the prefix cache by the other's growth, go to the tier. On resume they are loaded, not
+    recomputed; without the tier they are recomputed. The tokens are full's either way."""
+    from kvreplay import LLM, SamplingParams
+    prompts = [list(range(1000, 1200)), list(range(2000, 2200))]
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    want = [out.token_ids for out in llm32.generate(prompts, params)]
+    stats = {}
+    for memory in ("0", "16MiB"):
+        # 34 blocks; both admitted (admit at 0.9), the later one paused as they grow
+        llm = LLM(dtype="float32", kv_cache_memory="24MiB", kv_tier_memory=memory, kv_tier_choice="load",
+                  watermarks=(0.8, 0.9, 0.95))
+        outs = llm.generate(prompts, params, on_step=lambda *_: llm.engine.check_integrity())
+        assert [out.token_ids for out in outs] == want, memory
+        paused = [out.stats for out in outs if out.stats.pauses]
+        assert paused, f"the pool did not pause anyone ({memory})"
+        stats[memory] = paused[0]
+    off, on = stats["0"], stats["16MiB"]
+    assert off.tier_loaded_tokens == 0 and off.replayed_tokens > 0
+    assert on.tier_loaded_tokens >= off.replayed_tokens and on.replayed_tokens == 0
+
+
 # ---------------------------------------------------------------------- planner and metrics
 def test_planner_counts_sessions_per_tier_level():
     from kvreplay import planner
