@@ -84,8 +84,10 @@ def test_int8_cold_tier_keeps_greedy_tokens_and_sparse_budget_selects(llm32, cor
 def test_replay_cold_under_pressure_drops_cold_blocks_first(corpus):
     """Pressure drops cold blocks (their keys go to the index); the detector (threshold 0:
     always) then replays them in order, and the recomputed K/V match the fingerprints taken from
-    the hot originals before demotion."""
-    llm = _llm("replay+cold", replay_threshold=0.0, cold_dtype="int4")
+    the hot originals before demotion. Two heavy-hitter blocks stay hot among them, so the replay
+    comes in several runs: the slide between steps must not demote a run already replayed (it
+    looped forever)."""
+    llm = _llm("replay+cold", replay_threshold=0.0, cold_dtype="int4", heavy_tokens=32)
     engine = llm.engine
     engine.add_request(corpus[2000:2600], SamplingParams(max_tokens=8, temperature=0), request_id="p")
     while not engine.kv.cold_blocks(engine.requests["p"].seqs[0].seq_id):
@@ -99,9 +101,13 @@ def test_replay_cold_under_pressure_drops_cold_blocks_first(corpus):
     engine.check_integrity()
     assert engine.kv.cold_blocks(seq.seq_id) == [] and engine.kv.dropped_blocks(seq.seq_id) == cold
     assert engine.kv.num_used_blocks < used and seq.stats.dropped_tokens == len(cold) * 16
-    while engine.kv.dropped_blocks(seq.seq_id):
+    for _ in range(32):  # the replay, then the request's last tokens (the middle goes cold again)
+        if not engine.kv.dropped_blocks(seq.seq_id):
+            break
         engine.step()
         engine.check_integrity()
+    else:
+        pytest.fail("the replay never ended")
     assert seq.stats.replays == 1 and seq.stats.replayed_tokens == len(cold) * 16
     assert seq.stats.replay_mismatches == 0
     while engine.has_unfinished_requests():

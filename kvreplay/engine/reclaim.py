@@ -173,8 +173,8 @@ class Reclaimer:
         and a ratio) cuts it to `resident_ratio`, least observed attention first; then the
         `resident_ratio` cap of the presets that cap each step."""
         targets = []
-        if self.policy.slides:
-            targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        if self.policy.slides:  # not mid-replay: a replay of several runs would never end
+            targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1 and not seq.replay.active]
         elif self.selects_at_prefill:
             for seq in prefilled:
                 if seq in self.running and seq.num_uncomputed_tokens == 1:
