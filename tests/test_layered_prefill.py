@@ -89,7 +89,7 @@ def test_layered_begin_that_does_not_fit_changes_nothing_and_pause_releases_work
 # ---------------------------------------------------------------------- the real model
 def _replay(layered: bool, **overrides) -> LLM:
     options = dict(dtype="float32", kv_cache_memory="64MiB", policy="replay", trim="prefill",
-                   window_tokens=128, replay_threshold=1.0, need_layers="20-23",
+                   window_tokens=128, replay_threshold=1.0, need_layers="20-23", heavy_tokens=0,
                    enable_prefix_caching=False, layered_prefill=layered)
     options.update(overrides)
     return LLM(**options)
