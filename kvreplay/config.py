@@ -148,7 +148,7 @@ class EngineConfig:
         choices=PAUSE_MODES, check=one_of(PAUSE_MODES))
     window_tokens: int = knob(
         512, "recent tokens every policy keeps hot (window, replay); with resident_ratio, "
-             "window and h2o size theirs from the budget instead, snapkv keeps the prompt's last "
+             "window, h2o and replay size theirs from the budget instead, snapkv keeps the prompt's last "
              "32 tokens and quest the block being written", check=ints(1))
     trim: str = knob(
         "admission", "when replay drops middle blocks: admission (when usage crosses the high "
