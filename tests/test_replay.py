@@ -341,8 +341,8 @@ def test_need_layers_limit_what_the_detector_reads(replay32, corpus):
 
 def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(corpus):
     """A number planted mid-prompt and asked for at the end: the middle is dropped after prefill,
-    the detector (threshold 0.65, layers 20-23 as calibrated in docs/benchmarks/replay.md, no heavy hitters) must
-    replay and the answer must be right. Plain text continued for 16 tokens: no replay at all."""
+    the detector (threshold 0.65, layers 20-23 as calibrated in docs/benchmarks/replay.md, no
+    heavy hitters) must replay and the answer must be right. Plain text continued for 16 tokens: no replay at all."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
               window_tokens=128, need_layers="20-23", heavy_tokens=0,

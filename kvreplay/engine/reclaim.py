@@ -47,20 +47,25 @@ class Reclaimer:
         self.resident_ratio = resident_ratio
         self.chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
 
-    def middle(self, seq: Sequence, spare_heavy: bool = True) -> list[int]:
-        """Hot middle blocks of `seq` that dropping would free, less (`spare_heavy`) its heavy
-        hitters (the `heavy_tokens` worth of middle blocks with the most observed attention)."""
+    def middle(self, seq: Sequence) -> list[int]:
+        """Hot middle blocks of `seq` that dropping would free, less its heavy hitters (the
+        `heavy_tokens` worth of middle blocks with the most observed attention)."""
+        return self._middle_split(seq)[0]
+
+    def _middle_split(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """`seq`'s droppable hot middle blocks as (the rest, its heavy hitters)."""
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
-            return []
+            return [], []
         hot_from = seq.hot_from if self.policy.demotes else None
         recent = self.recent_tokens(seq.num_computed_tokens, seq.pinned_tokens)
         blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent,
                                     self.kv.block_size, hot_from)
         middle = self.kv.droppable(seq.seq_id, blocks)
-        if not spare_heavy:
-            return middle
         heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
-        return [index for index in middle if index not in heavy]
+        split: tuple[list[int], list[int]] = ([], [])
+        for index in middle:
+            split[index in heavy].append(index)
+        return split
 
     def recent_tokens(self, num_tokens: int, pinned_tokens: int) -> int:
         """The recent window of a sequence of `num_tokens` (window_tokens, or the preset's)."""
@@ -174,7 +179,8 @@ class Reclaimer:
         `resident_ratio` cap of the presets that cap each step."""
         targets = []
         if self.policy.slides:  # not mid-replay: a replay of several runs would never end
-            targets = [seq for seq in self.running if seq.num_uncomputed_tokens == 1 and not seq.replay.active]
+            targets = [seq for seq in self.running
+                       if seq.num_uncomputed_tokens == 1 and not seq.replay.active]
         elif self.selects_at_prefill:
             for seq in prefilled:
                 if seq in self.running and seq.num_uncomputed_tokens == 1:
@@ -206,9 +212,8 @@ class Reclaimer:
         excess = kv.resident_bytes(seq.seq_id) - limit
         if excess <= 0:
             return
-        light = set(self.middle(seq))
-        heavy = [index for index in self.middle(seq, spare_heavy=False) if index not in light]
-        order = [self._order(seq, sorted(light), 0)]
+        light, heavy = self._middle_split(seq)
+        order = [self._order(seq, light, 0)]
         if self.policy.demotes:
             order.append(self._order(seq, kv.cold_blocks(seq.seq_id), 1))
         order.append(self._order(seq, heavy, 0))

@@ -171,27 +171,20 @@ def build_name(name: str) -> str:
 def _build_lock(module: str):
     """Serialise builds of `module` across processes with a lock the OS drops when its holder
     dies, and clear torch's own `lock` file under it. torch waits forever on that file, and a
-    build killed midway (a timeout, ^C) leaves it behind: every later start would hang."""
+    build killed midway (a timeout, ^C) leaves it behind: every later start would hang. Holding
+    this lock, no live kvreplay build owns that file. Yields the build directory."""
     from torch.utils.cpp_extension import _get_build_directory
     build_dir = Path(_get_build_directory(module, verbose=False))
     with open(build_dir.parent / f"{module}.kvreplay-lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            clear_stale_baton(build_dir)
+            baton = build_dir / "lock"
+            if baton.exists():
+                log.warning("removing a stale kernel build lock left by a stopped build: %s", baton)
+                baton.unlink(missing_ok=True)
             yield build_dir
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def clear_stale_baton(build_dir: Path) -> bool:
-    """Remove torch's build `lock` in `build_dir`; call only holding `_build_lock` (then no live
-    kvreplay build owns it). True if one was there."""
-    baton = build_dir / "lock"
-    if not baton.exists():
-        return False
-    log.warning("removing a stale kernel build lock left by a stopped build: %s", baton)
-    baton.unlink(missing_ok=True)
-    return True
 
 
 def _build(name: str) -> Any | None:
