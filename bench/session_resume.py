@@ -13,7 +13,12 @@ returning user's history back its own way:
 
 - recompute: no tier (today's engine: a returning history is prefilled again),
 - load: `kv_tier_choice="load"` (every block the tier holds is loaded),
-- cost: `kv_tier_choice="cost"` (load or recompute, whichever the measured rates predict cheaper).
+- cost: `kv_tier_choice="cost"` (load, recompute, or recompute a run's head while its tail is
+  read in the background, whichever the measured rates predict fastest).
+
+With `--tier-dir` the tier is on disk only (no host-memory level). `--disk-read-mbps` emulates a
+slower device (a network disk): each block file read in the tier's background thread is held
+until it has taken at least its bytes at that rate (a sleep, so the engine thread keeps the CPU).
 
 Reported per mode: TTFT (arrival to first token) of round 1 and of rounds 2+ (mean, p50),
 tokens loaded and recomputed by rounds 2+, the cost model's predicted vs actual load seconds,
@@ -22,24 +27,43 @@ wall time, and greedy-token agreement with the recompute mode.
 Usage:
     python bench/session_resume.py [--users 50] [--rounds 4] [--first-tokens 512]
         [--turn-tokens 32] [--output-tokens 16] [--think 0] [--concurrency 4] [--pool-users 6]
-        [--tier-memory 2GiB] [--modes recompute,load,cost] [--threads 2] [--json out.json]
+        [--tier-memory 2GiB] [--tier-dir DIR [--disk-read-mbps 200]] [--modes recompute,load,cost]
+        [--threads 2] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import shutil
 import statistics
+import tempfile
 import time
 from collections import deque
 
 import torch
 
 
+def throttle_disk_reads(bytes_per_second: float) -> None:
+    """Make every tier file read take at least its bytes at `bytes_per_second` (a sleep after
+    the real read: the emulated device is idle CPU, like a network disk)."""
+    from kvreplay.kv import tier_files
+    read = tier_files.read_payload
+
+    def slow_read(path, header, offset):
+        started = time.perf_counter()
+        payload = read(path, header, offset)
+        time.sleep(max(0.0, int(header["payload_bytes"]) / bytes_per_second - (time.perf_counter() - started)))
+        return payload
+    tier_files.read_payload = slow_read
+
+
 def run_mode(mode: str, histories: list[list[list[int]]], args, pool_bytes: int) -> dict:
     from kvreplay import LLM, SamplingParams
+    tier = {} if mode == "recompute" else dict(kv_tier_memory=args.tier_memory) if args.tier_dir is None else \
+        dict(kv_tier_memory=0, kv_tier_dir=args.tier_dir, kv_tier_disk=args.tier_disk)
     llm = LLM(dtype=args.dtype, kv_cache_memory=pool_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_tier_memory=args.tier_memory if mode != "recompute" else 0, kv_tier_choice=mode)
+              kv_tier_choice=mode, **tier)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     warm = histories[0][0][:64]
@@ -92,6 +116,7 @@ def run_mode(mode: str, histories: list[list[list[int]]], args, pool_bytes: int)
         "ttft_later_mean_s": statistics.mean(later) if later else None,
         "ttft_later_p50_s": statistics.median(later) if later else None,
         "loaded_tokens": sum(s.tier_loaded_tokens for s in later_stats),
+        "overlapped_tokens": sum(s.tier_overlapped_tokens for s in later_stats),
         "recomputed_by_choice_tokens": sum(s.tier_recomputed_tokens for s in later_stats),
         "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in later_stats),
         "predicted_load_s": sum(s.tier_predicted_seconds for s in later_stats),
@@ -99,6 +124,8 @@ def run_mode(mode: str, histories: list[list[list[int]]], args, pool_bytes: int)
         "tier_memory_bytes": engine.kv.tier_io.tier.memory_used if costs else 0,
         "recompute_tok_s": costs.recompute_tokens_per_second if costs else None,
         "memory_read_s_per_MiB": costs.read_seconds_per_byte["memory"] * 2**20 if costs else None,
+        "disk_read_s_per_MiB": costs.read_seconds_per_byte["disk"] * 2**20 if costs and
+        "disk" in costs.read_seconds_per_byte else None,
         "replies": replies,
     }
     engine.check_integrity()
@@ -120,6 +147,11 @@ def main(argv=None) -> None:
     parser.add_argument("--pool-users", type=float, default=6,
                         help="the pool holds about this many users' last-round contexts (default: %(default)s)")
     parser.add_argument("--tier-memory", default="2GiB")
+    parser.add_argument("--tier-dir", default=None,
+                        help="keep the tier on disk here (a fresh subdirectory per mode), no memory level")
+    parser.add_argument("--tier-disk", default="8GiB", help="disk budget with --tier-dir (default: %(default)s)")
+    parser.add_argument("--disk-read-mbps", type=float, default=None,
+                        help="emulate a disk this slow (MB/s) for tier file reads (default: the real one)")
     parser.add_argument("--modes", default="recompute,load,cost")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16")
@@ -131,6 +163,10 @@ def main(argv=None) -> None:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in ("recompute", "load", "cost") for m in modes):
         parser.error("--modes takes recompute, load and cost, comma-separated")
+    if args.disk_read_mbps is not None and (args.tier_dir is None or args.disk_read_mbps <= 0):
+        parser.error("--disk-read-mbps needs --tier-dir and a positive rate")
+    if args.disk_read_mbps is not None:
+        throttle_disk_reads(args.disk_read_mbps * 1e6)
     torch.set_num_threads(args.threads)
 
     from kvreplay import LLM
@@ -156,12 +192,18 @@ def main(argv=None) -> None:
           f"pool {pool_bytes / 2**20:.1f} MiB (~{args.pool_users} users' contexts), tier memory "
           f"{args.tier_memory}", flush=True)
     runs = []
+    base_dir = args.tier_dir
     for mode in modes:
+        if base_dir is not None:  # each mode starts from an empty tier
+            args.tier_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=base_dir)
         runs.append(run_mode(mode, histories, args, pool_bytes))
+        if base_dir is not None:
+            shutil.rmtree(args.tier_dir, ignore_errors=True)
         r = runs[-1]
         print(f"{mode}: wall {r['wall_s']:.1f} s, rounds 2+ TTFT mean {r['ttft_later_mean_s']:.3f} s", flush=True)
     reference = runs[0]["replies"]
-    header = ("mode", "TTFT r1 mean/p50 s", "TTFT r2+ mean/p50 s", "vs recompute", "loaded tok", "recomputed by choice",
+    header = ("mode", "TTFT r1 mean/p50 s", "TTFT r2+ mean/p50 s", "vs recompute", "loaded tok",
+              "of which overlapped", "recomputed by choice",
               "prefix hit tok", "load s predicted/actual", "wall s", "same tokens")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -172,10 +214,12 @@ def main(argv=None) -> None:
         print(f"| {r['mode']} | {r['ttft_round1_mean_s']:.3f} / {r['ttft_round1_p50_s']:.3f} | "
               f"{r['ttft_later_mean_s']:.3f} / {r['ttft_later_p50_s']:.3f} | "
               f"x{base['ttft_later_mean_s'] / r['ttft_later_mean_s']:.2f} | {r['loaded_tokens']:,} | "
+              f"{r['overlapped_tokens']:,} | "
               f"{r['recomputed_by_choice_tokens']:,} | {r['prefix_hit_tokens']:,} | "
               f"{r['predicted_load_s']:.3f} / {r['actual_load_s']:.3f} | {r['wall_s']:.1f} | {same:.2f} |")
     print("rates the cost model ended with: " + "; ".join(
         f"{r['mode']}: recompute {r['recompute_tok_s']:.0f} tok/s, memory read {r['memory_read_s_per_MiB'] * 1e3:.2f} ms/MiB"
+        + (f", disk read {r['disk_read_s_per_MiB'] * 1e3:.2f} ms/MiB" if r["disk_read_s_per_MiB"] else "")
         for r in runs if r["recompute_tok_s"] is not None))
     if args.json:
         with open(args.json, "w") as f:

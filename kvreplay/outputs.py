@@ -21,6 +21,7 @@ class RequestStats:
     # The session tier (engine/tier_loads.py): tokens read back instead of recomputed; tokens
     # the tier held but recompute was predicted cheaper; predicted and measured seconds of loads.
     tier_loaded_tokens: int = 0
+    tier_overlapped_tokens: int = 0  # of those, read in the background while a head was recomputed
     tier_recomputed_tokens: int = 0
     tier_predicted_seconds: float = 0.0
     tier_actual_seconds: float = 0.0

@@ -80,6 +80,7 @@ def test_files_are_private_and_spill_in_lru_order(tmp_path):
         tier.check_integrity()
     # memory holds the newest two, disk the two before, block 0 fell off the end
     assert list(tier.memory) == [3, 4] and list(tier.disk) == [1, 2] and 0 not in tier
+    tier.flush()  # (files are written in the tier's background thread)
     for entry in tier.disk.values():
         assert oct(entry.path.stat().st_mode & 0o777) == "0o600"
     for i in range(1, 5):
@@ -124,6 +125,7 @@ def test_torn_and_corrupted_files_are_discarded(tmp_path):
     tier = _tier(tmp_path, disk_blocks=8)
     for i in range(3):
         tier.put(i, (i,) * BLOCK, torch.randn(SHAPE))
+    tier.flush()
     torn, flipped = tier.disk[0].path, tier.disk[1].path
     torn.write_bytes(torn.read_bytes()[:-7])
     raw = bytearray(flipped.read_bytes())
@@ -170,6 +172,7 @@ def test_a_corrupted_block_ends_the_load_and_the_rest_is_recomputed(tmp_path):
     kv.free(0)
     _compute(kv, 1, list(range(100, 124)))
     kv.free(1)
+    tier.flush()
     paths = {h: e.path for h, e in tier.disk.items()}
     kv.add_sequence(2)
     hashes = kv.tier_io.match(2, tokens)
@@ -219,6 +222,7 @@ def test_integrity_covers_tier_bookkeeping(tmp_path):
     tier.memory_used -= 1
     tier.put(2, (2,) * BLOCK, torch.randn(SHAPE))
     tier.put(3, (3,) * BLOCK, torch.randn(SHAPE))
+    tier.flush()
     os.unlink(tier.disk[1].path)
     with pytest.raises(AssertionError, match="missing"):
         kv.check_integrity()

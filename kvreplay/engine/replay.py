@@ -81,6 +81,16 @@ class ReplayTracker:
         """At admission: tokens after the prefix-cache hit loaded from the session tier."""
         return self.loader.load_prefix(seq) if self.loader is not None else 0
 
+    def prefill_cap(self, seq: Sequence) -> int | None:
+        """The most tokens `seq`'s next prefill chunk may compute (a session-tier tail being
+        read comes next), or None."""
+        return self.loader.prefill_cap(seq) if self.loader is not None else None
+
+    def replay_stop(self, seq: Sequence) -> int | None:
+        """The table index where `seq`'s replay chunks stop (a session-tier tail being read
+        starts there), or None."""
+        return self.loader.replay_stop(seq) if self.loader is not None else None
+
     def start(self, seq: Sequence, step: int) -> None:
         if not seq.replay.active:
             seq.replay.active = True
@@ -96,6 +106,8 @@ class ReplayTracker:
         resume is replay."""
         seq.replay.end = max(seq.replay.end, computed)
         self.end(seq)
+        if self.loader is not None:
+            self.loader.forget(seq)
 
     def resumed(self, seq: Sequence) -> None:
         if seq.replay.end > seq.num_computed_tokens:

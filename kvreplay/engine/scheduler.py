@@ -215,7 +215,9 @@ class Scheduler:
 
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """The next prefill chunk of `seq` that fits the budget and the pool; tokens used."""
-        chunk = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+        cap = self.replay.prefill_cap(seq)  # (may move past a tail loaded from the session tier)
+        want = min(seq.num_uncomputed_tokens, budget, cap if cap is not None else budget)
+        chunk = self._fit_chunk(seq, want)
         if chunk:
             batch.prefills.append((seq, chunk))
             self._busy.add(seq.seq_id)
@@ -278,7 +280,9 @@ class Scheduler:
         if not self.replay.restore_cached(seq, self.num_steps):
             return 0
         dropped = self.replay.replay_left(seq)
-        run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset]
+        stop = self.replay.replay_stop(seq)  # a tail read from the session tier meanwhile
+        run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset
+               and (stop is None or index < stop)]
         blocks = run[:budget // block_size]
         while blocks and not self.kv.allocate_restore(seq.seq_id, blocks):
             if self.reclaim.trim_for_room(len(blocks), exclude={seq.seq_id}):

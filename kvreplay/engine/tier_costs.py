@@ -9,8 +9,18 @@ from disk is not flattered by bandwidth alone); the recompute rate from the engi
 prefilled or replayed, over all the step's tokens (the rate at the current batch, decodes
 included). Until a prefill has been timed the recompute rate is a prior (`PRIOR_TOKENS_PER_SECOND`,
 a small model on a few CPU cores); on a fresh engine the tier is empty until blocks are evicted,
-so in practice a measured rate decides. Costs are linear in blocks on both sides, so the choice
-is made for a whole run at once (loading a tail while recomputing a head is not done).
+so in practice a measured rate decides.
+
+A run of n blocks can also be split: its first k blocks recomputed by the engine while the
+tier's background thread reads the other n - k (a loaded block needs nothing before it, so the
+tail does not wait for the head). Both proceed at once, so the run takes
+
+    max(k x recompute per block, (n - k) x load per block)
+
+which is least near k = n x load / (load + recompute); `head_blocks` picks k among 0 (load
+all), n (recompute all) and the two integers around that point. A split pays where the two
+costs are of one order (a slow disk, a fast accelerator); where one side is many times cheaper
+it rounds to all or nothing.
 """
 from __future__ import annotations
 
@@ -40,6 +50,22 @@ class TierCosts:
         if self.choice != "cost":
             return self.choice == "load"
         return load_seconds < recompute_seconds
+
+    def head_blocks(self, num_blocks: int, load_seconds: float, block_tokens: int) -> int:
+        """Of a run of `num_blocks` the tier holds (predicted to load in `load_seconds`), how
+        many at its head to recompute while the rest is read in the background: 0 loads all,
+        `num_blocks` recomputes all."""
+        if self.choice != "cost" or num_blocks == 0:
+            return 0 if self.choice == "load" else num_blocks
+        load = load_seconds / num_blocks
+        recompute = self.predict_recompute(block_tokens)
+        point = num_blocks * load / max(load + recompute, 1e-12)
+        candidates = sorted({0, num_blocks, min(num_blocks, int(point)), min(num_blocks, int(point) + 1)})
+
+        def seconds(head: int) -> float:
+            return max(head * recompute, (num_blocks - head) * load)
+        # ties go to the fewest parts: all or nothing first (a split costs a second pass)
+        return min(sorted(candidates, key=lambda head: head not in (0, num_blocks)), key=seconds)
 
     def observe_load(self, where: str, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0:

@@ -9,21 +9,38 @@ the two places a missing range comes back:
 - a replay of dropped blocks (`restore`, after the free prefix-cache restore): blocks the tier
   holds are loaded, and go through the replay's fingerprint check (`finish_restore`).
 
-Each run is loaded or recomputed, whichever `TierCosts` predicts cheaper (or as
-`kv_tier_choice` forces). Per request (`RequestStats`, `usage.kv`): `tier_loaded_tokens`,
-`tier_recomputed_tokens` (the tier held them, recompute was predicted cheaper),
-`tier_predicted_seconds` and `tier_actual_seconds` of the loads.
+Each run is loaded, recomputed, or split, as `TierCosts.head_blocks` predicts fastest (or as
+`kv_tier_choice` forces). A split recomputes the run's head through the usual prefill or replay
+chunks while the tier reads the tail in its background thread (`SessionTier.prefetch`): the
+scheduler stops the head's chunks at the tail (`prefill_cap`, `replay_stop`) and the tail goes
+into the pool when its reads are done, or when the head is, whichever comes later. Per request
+(`RequestStats`, `usage.kv`): `tier_loaded_tokens` (of which `tier_overlapped_tokens` read in the
+background), `tier_recomputed_tokens` (the tier held them, recompute was chosen),
+`tier_predicted_seconds` and `tier_actual_seconds` of the loads (for a read-ahead tail, the
+engine thread's wait and copy).
 """
 from __future__ import annotations
 
 import os
 import time
 import weakref
+from dataclasses import dataclass, field
 
 from kvreplay.engine.sequence import Sequence
 from kvreplay.engine.tier_costs import TierCosts
 from kvreplay.kv import KVManager
 from kvreplay.kv.session_tier import SessionTier
+
+
+@dataclass
+class TailRead:
+    """A run's tail being read in the background while its head is recomputed."""
+    handle: object              # SessionTier.prefetch's handle
+    hashes: list[int]
+    by_tier: dict[str, int]     # bytes per tier level, for the cost model
+    predicted: float            # predicted load seconds of the tail
+    start: int = 0              # admission: the token position where the tail starts
+    indices: list[int] = field(default_factory=list)  # replay: the tail's table indices
 
 
 class TierLoader:
@@ -33,6 +50,7 @@ class TierLoader:
         # Hashes each sequence was told to recompute: a replay asks again every step until its
         # chunks are done, and a choice is counted once.
         self._recomputing: weakref.WeakKeyDictionary[Sequence, set[int]] = weakref.WeakKeyDictionary()
+        self._tails: weakref.WeakKeyDictionary[Sequence, TailRead] = weakref.WeakKeyDictionary()
 
     @property
     def tier(self) -> SessionTier:
@@ -45,24 +63,46 @@ class TierLoader:
             found[where] = found.get(where, 0) + self.tier.block_bytes
         return found
 
-    def _decide(self, seq: Sequence, hashes: list[int]) -> tuple[bool, float, dict[str, int]]:
-        """(load?, predicted load seconds, bytes per tier); a recompute choice is counted."""
-        by_tier = self._bytes_by_tier(hashes)
-        load = self.costs.predict_load(by_tier)
-        num_tokens = len(hashes) * self.kv.block_size
-        if self.costs.prefer_load(load, self.costs.predict_recompute(num_tokens)):
-            return True, load, by_tier
+    def _decide(self, seq: Sequence, hashes: list[int]) -> int:
+        """How many blocks at the head of the run `hashes` to recompute (0: load all); the
+        recompute choice is counted."""
+        head = self.costs.head_blocks(len(hashes), self.costs.predict_load(self._bytes_by_tier(hashes)),
+                                      self.kv.block_size)
         counted = self._recomputing.setdefault(seq, set())
-        seq.stats.tier_recomputed_tokens += len(set(hashes) - counted) * self.kv.block_size
-        counted.update(hashes)
-        return False, load, by_tier
+        seq.stats.tier_recomputed_tokens += len(set(hashes[:head]) - counted) * self.kv.block_size
+        counted.update(hashes[:head])
+        return head
+
+    def _read_tail(self, seq: Sequence, hashes: list[int], tokens: list[tuple[int, ...]], **where) -> None:
+        by_tier = self._bytes_by_tier(hashes)
+        handle = self.tier.prefetch(list(zip(hashes, tokens)))
+        self._tails[seq] = TailRead(handle, hashes, by_tier, self.costs.predict_load(by_tier), **where)
+
+    def _collect(self, seq: Sequence, wait: bool) -> tuple[TailRead, dict, float] | None:
+        """The read-ahead tail of `seq` and its blocks once read (waiting for them when `wait`),
+        and when the engine thread started on it; None while still reading."""
+        started = time.perf_counter()
+        tail = self._tails[seq]
+        found = self.tier.collect(tail.handle, wait=wait)
+        if found is None:
+            return None
+        del self._tails[seq]
+        return tail, found, started
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` was paused, restarts from scratch or left: a tail read for it is not used (the
+        background reads touch nothing but their own results)."""
+        self._tails.pop(seq, None)
 
     def _count(self, seq: Sequence, by_tier: dict[str, int], predicted: float, started: float,
-               loaded_tokens: int) -> None:
+               loaded_tokens: int, overlapped: bool = False) -> None:
         seconds = time.perf_counter() - started
         seq.stats.tier_loaded_tokens += loaded_tokens
         seq.stats.tier_predicted_seconds += predicted
         seq.stats.tier_actual_seconds += seconds
+        if overlapped:  # the engine thread's share only: not a read rate
+            seq.stats.tier_overlapped_tokens += loaded_tokens
+            return
         if len(by_tier) == 1 and loaded_tokens:
             where, = by_tier
             loaded_bytes = loaded_tokens // self.kv.block_size * self.tier.block_bytes
@@ -76,31 +116,87 @@ class TierLoader:
         hashes = self.kv.tier_io.match(seq.seq_id, seq.token_ids)
         if not hashes:
             return 0
-        load, predicted, by_tier = self._decide(seq, hashes)
-        if not load or self.kv.num_blocks_needed(seq.seq_id, len(hashes) * self.kv.block_size) > \
-                self.kv.num_free_blocks:
+        head = self._decide(seq, hashes)
+        if head == len(hashes):
             return 0
+        block_size, start = self.kv.block_size, self.kv.num_slots(seq.seq_id)  # (after the prefix hit)
+        if head:  # recompute the head while the tail is read
+            first = start + head * block_size
+            self._read_tail(seq, hashes[head:], [tuple(seq.token_ids[b:b + block_size]) for b in
+                                                 range(first, start + len(hashes) * block_size, block_size)],
+                            start=first)
+            return 0
+        if self.kv.num_blocks_needed(seq.seq_id, len(hashes) * block_size) > self.kv.num_free_blocks:
+            return 0
+        by_tier = self._bytes_by_tier(hashes)
         started = time.perf_counter()
         loaded = self.kv.tier_io.load_prefix(seq.seq_id, seq.token_ids, len(hashes))
-        self._count(seq, by_tier, predicted, started, loaded)
+        self._count(seq, by_tier, self.costs.predict_load(by_tier), started, loaded)
         return loaded
+
+    def prefill_cap(self, seq: Sequence) -> int | None:
+        """Before a prefill chunk of `seq`: the most tokens it may compute (up to a tail being
+        read), or None for no limit. At the tail, the tail goes in (waiting for its reads) and
+        `seq`'s computed tokens move past it."""
+        tail = self._tails.get(seq)
+        if tail is None or not tail.hashes or tail.indices:
+            return None
+        if seq.num_computed_tokens < tail.start:
+            return tail.start - seq.num_computed_tokens
+        tail, found, started = self._collect(seq, wait=True)
+        if seq.num_computed_tokens != tail.start or self.kv.num_blocks_needed(
+                seq.seq_id, len(tail.hashes) * self.kv.block_size) > self.kv.num_free_blocks:
+            return None  # (past it somehow, or no room: the tail is recomputed)
+        loaded = self.kv.tier_io.load_prefix(seq.seq_id, seq.token_ids, len(tail.hashes), found)
+        self._count(seq, tail.by_tier, tail.predicted, started, loaded, overlapped=True)
+        seq.num_computed_tokens += loaded
+        return None
 
     def restore(self, seq: Sequence, indices: list[int]) -> list[int]:
         """Dropped blocks at `indices` that the tier holds come back from it when cheaper than
         replaying them. Returns the table indices restored."""
+        if seq in self._tails:  # (an admission tail waits for its prefill to reach it)
+            return self._restore_tail(seq, indices) if self._tails[seq].indices else []
         indices = self.kv.tier_io.restorable(seq.seq_id, indices)
         if not indices:
             return []
         hashes = self.kv.tier_io.hashes(seq.seq_id, indices)
-        load, predicted, by_tier = self._decide(seq, hashes)
-        if not load:
+        head = self._decide(seq, hashes)
+        if head == len(indices):
             return []
+        block_size = self.kv.block_size
+        if head:  # replay the head while the tail is read
+            self._read_tail(seq, hashes[head:], [tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
+                                                 for i in indices[head:]], indices=indices[head:])
+            return []
+        by_tier = self._bytes_by_tier(hashes)
         started = time.perf_counter()
         restored, mismatches = self.kv.tier_io.restore(seq.seq_id, seq.token_ids, indices)
         seq.stats.replay_mismatches += mismatches
-        self._count(seq, by_tier, predicted * len(restored) / len(indices), started,
-                    len(restored) * self.kv.block_size)
+        self._count(seq, by_tier, self.costs.predict_load(by_tier) * len(restored) / len(indices), started,
+                    len(restored) * block_size)
         return restored
+
+    def _restore_tail(self, seq: Sequence, left: list[int]) -> list[int]:
+        """A replay's tail being read: in once its reads are done, or (waiting for them) once
+        the replay has nothing before it left to recompute."""
+        tail = self._tails[seq]
+        collected = self._collect(seq, wait=not left or left[0] >= tail.indices[0])
+        if collected is None:
+            return []
+        tail, found, started = collected
+        indices = [index for index in tail.indices if index in set(left)]
+        restored, mismatches = self.kv.tier_io.restore(seq.seq_id, seq.token_ids, indices, found)
+        seq.stats.replay_mismatches += mismatches
+        self._count(seq, tail.by_tier, tail.predicted * len(restored) / max(len(tail.indices), 1), started,
+                    len(restored) * self.kv.block_size, overlapped=True)
+        return restored
+
+    def replay_stop(self, seq: Sequence) -> int | None:
+        """The first table index of `seq`'s replay tail being read (its replay chunks stop
+        before it), or None."""
+        tail = self._tails.get(seq)
+        return tail.indices[0] if tail is not None and tail.indices else None
 
     def observe_step(self, batch, seconds: float) -> None:
         """The model ran `batch` (a ScheduledBatch) in `seconds`; it counts for the recompute

@@ -9,19 +9,26 @@ The header carries the version stamp (model identity, block size, dtype, layers,
 dim), the block's hash and tokens, the payload's shape, length and blake2b checksum. A file with
 another stamp belongs to another model or layout and is ignored (left in place); a file shorter
 than its header says (torn: a crash mid-write can only leave a .tmp, but a disk can still lose a
-tail) or whose payload fails its checksum is deleted and never loaded.
+tail) or whose payload fails its checksum is deleted and never loaded. These functions touch
+files only, never the tier's index; the tier's background thread (a Worker) runs write_block,
+read_block and remove.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import struct
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 MAGIC = b"KVRTIER1"
 SUFFIX = ".kvt"
 _LENGTH = struct.Struct("<I")
+_CHECKSUM_HEX = 32  # blake2b, 16 bytes
 
 
 def stamp_digest(stamp: dict) -> str:
@@ -35,6 +42,13 @@ def checksum(payload: bytes | memoryview) -> str:
 
 def file_name(digest: str, block_hash: int) -> str:
     return f"{digest}-{block_hash & (2**64 - 1):016x}{SUFFIX}"
+
+
+def check_tier_dir(value) -> None:
+    """kv_tier_dir's check at configuration time (the tier itself creates and probes it)."""
+    if value is not None and os.path.exists(value) and not os.path.isdir(value):
+        raise ValueError(f"kv_tier_dir={value!r} is a file, not a directory: name a directory "
+                         "(it is created if missing)")
 
 
 def prepare_dir(directory: str | os.PathLike) -> Path:
@@ -58,16 +72,29 @@ def prepare_dir(directory: str | os.PathLike) -> Path:
 
 
 def write_block(path: Path, header: dict, payload: bytes | memoryview) -> int:
-    """Write one block file atomically (temporary name, fsync-free rename). Returns its size."""
+    """Write one block file atomically (temporary name, fsync-free rename). Returns its size,
+    which file_size(header, len(payload)) tells beforehand. A failed write leaves no file."""
     header = dict(header, payload_bytes=len(payload), checksum=checksum(payload))
     head = json.dumps(header).encode()
     temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(MAGIC + _LENGTH.pack(len(head)) + head)
-        file.write(payload)
-    os.replace(temporary, path)
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(MAGIC + _LENGTH.pack(len(head)) + head)
+            file.write(payload)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            remove(temporary)
+        raise
     return len(MAGIC) + _LENGTH.size + len(head) + len(payload)
+
+
+def file_size(header: dict, payload_bytes: int) -> int:
+    """The size write_block(path, header, payload) will return for a payload of `payload_bytes`
+    (the checksum is a fixed-length hex digest), known before the payload is hashed."""
+    head = json.dumps(dict(header, payload_bytes=payload_bytes, checksum="0" * _CHECKSUM_HEX)).encode()
+    return len(MAGIC) + _LENGTH.size + len(head) + payload_bytes
 
 
 def read_header(path: Path) -> tuple[dict, int] | None:
@@ -96,9 +123,57 @@ def read_payload(path: Path, header: dict, offset: int) -> bytearray | None:
             payload = bytearray(file.read())
     except OSError:
         return None
-    if len(payload) != header["payload_bytes"] or checksum(payload) != header["checksum"]:
+    if len(payload) != header["payload_bytes"] or checksum(payload) != header.get("checksum"):
         return None
     return payload
+
+
+def read_block(path: Path, stamp: dict, block_hash: int, tokens: tuple[int, ...]) -> tuple[str, bytearray | None]:
+    """Read and verify one block file; touches nothing but the file, so the tier's background
+    thread may call it. ('ok', payload), ('other', None) when the file holds another block's
+    tokens (a hash collision), ('torn', None) when it is not a whole file of this stamp and hash
+    (unreadable, short, or unlinked meanwhile), ('checksum', None) when its payload is corrupted."""
+    found = read_header(path)
+    if found is None or found[0].get("stamp") != stamp or found[0].get("hash") != block_hash:
+        return "torn", None
+    header, offset = found
+    if tuple(header.get("tokens", ())) != tuple(tokens):
+        return "other", None
+    payload = read_payload(path, header, offset)
+    return ("checksum", None) if payload is None else ("ok", payload)
+
+
+def scan(directory: Path, digest: str, stamp: dict, shape: tuple[int, ...]) -> tuple[list, int, int]:
+    """This stamp's whole block files under `directory`, oldest first, as (hash, path, size);
+    with how many files were ignored (another stamp's or shape's: left alone) and how many were
+    torn (deleted)."""
+    found, ignored, torn = [], 0, 0
+    for path in directory.glob(f"*{SUFFIX}"):
+        if not path.name.startswith(digest + "-"):
+            ignored += 1
+            continue
+        header = read_header(path)
+        if header is None:
+            torn += 1
+            remove(path)
+        elif header[0].get("stamp") != stamp or tuple(header[0].get("shape", ())) != tuple(shape):
+            ignored += 1
+        else:
+            info = path.stat()
+            found.append((info.st_mtime, int(header[0]["hash"]), path, info.st_size))
+    return [(block_hash, path, size) for _, block_hash, path, size in sorted(found)], ignored, torn
+
+
+def probe_read_seconds(directory: Path, payload: bytes | memoryview) -> float:
+    """Seconds to read and verify a just-written file of `payload` (the disk tier's cost probe)."""
+    path = directory / f".probe-{os.getpid()}{SUFFIX}.tmp"
+    write_block(path, dict(stamp={}, hash=0, tokens=[], shape=[]), payload)
+    started = time.perf_counter()
+    header, offset = read_header(path)
+    read_payload(path, header, offset)
+    seconds = time.perf_counter() - started
+    remove(path)
+    return seconds
 
 
 def remove(path: Path) -> None:
@@ -106,3 +181,43 @@ def remove(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+class Worker:
+    """The tier's one background thread for file jobs (writes, reads, unlinks), started on first
+    use. A single worker runs jobs in submission order: a job sees every earlier job's files."""
+
+    _live: weakref.WeakSet = weakref.WeakSet()  # workers with a thread (a new tier's scan waits)
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, job, *args) -> Future:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreplay-tier")
+            Worker._live.add(self)
+        return self._executor.submit(job, *args)
+
+    def barrier(self) -> None:
+        """Wait until every job submitted so far has finished."""
+        executor = self._executor
+        if executor is not None:
+            try:
+                executor.submit(int).result()
+            except RuntimeError:  # shut down meanwhile: its jobs are finished
+                pass
+
+    def close(self) -> None:
+        """Finish the jobs and stop the thread (a later submit starts another)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+            Worker._live.discard(self)
+
+    @staticmethod
+    def settle(directory: Path) -> None:
+        """Wait for the jobs of every live worker on `directory` (so that a scan sees its files)."""
+        for worker in list(Worker._live):
+            if worker.directory == directory:
+                worker.barrier()

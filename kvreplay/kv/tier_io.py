@@ -12,6 +12,8 @@ sequence (a replay). Loaded K/V are the bits that left (the tier verifies checks
 needs anything before it resident: replay's exactness rule holds as for a prefix-cache restore.
 A restored block's fingerprint is checked before it enters the table (a mismatch leaves it
 dropped for the replay to recompute) and again by `finish_restore`, the replay's own check.
+Both take the K/V from the tier, or from `found`: blocks the tier read ahead in its background
+thread (`SessionTier.prefetch` / `collect`), keyed by hash.
 """
 from __future__ import annotations
 
@@ -61,7 +63,10 @@ class TierIO:
             found.append(parent)
         return found
 
-    def load_prefix(self, seq_id: int, token_ids: list[int], num_blocks: int) -> int:
+    def _get(self, block_hash: int, tokens: tuple[int, ...], found: dict | None) -> torch.Tensor | None:
+        return self.tier.get(block_hash, tokens) if found is None else found.get(block_hash)
+
+    def load_prefix(self, seq_id: int, token_ids: list[int], num_blocks: int, found: dict | None = None) -> int:
         """Append `num_blocks` tier blocks (from `match`) to `seq_id`'s table, their K/V read
         from the tier, and index them. A block that fails to load ends the run there (the rest
         is recomputed). Returns the tokens loaded; 0 when the pool lacks the blocks."""
@@ -70,18 +75,18 @@ class TierIO:
         if not num_blocks or not kv.allocate(seq_id, num_blocks * kv.block_size):
             return 0
         parent = kv._hashes[seq_id][-1] if kv._hashes[seq_id] else None
-        found = []
+        loads = []
         for offset in range(num_blocks):
             begin = start + offset * kv.block_size
             tokens = tuple(token_ids[begin:begin + kv.block_size])
             parent = kv._hash_fn(parent, tokens, kv._extra_keys[seq_id])
-            data = self.tier.get(parent, tokens)
+            data = self._get(parent, tokens, found)
             if data is None:
                 break
-            found.append(data)
+            loads.append(data)
         table = kv._tables[seq_id]
-        self.write_blocks(table[len(table) - num_blocks:][:len(found)], found)
-        loaded = len(found) * kv.block_size
+        self.write_blocks(table[len(table) - num_blocks:][:len(loads)], loads)
+        loaded = len(loads) * kv.block_size
         kv.truncate(seq_id, start + loaded)
         kv.commit(seq_id, token_ids, start + loaded)
         return loaded
@@ -96,17 +101,18 @@ class TierIO:
         hashes = self.kv._hashes[seq_id]
         return [i for i in indices if i < len(hashes) and hashes[i] in self.tier]
 
-    def restore(self, seq_id: int, token_ids: list[int], indices: list[int]) -> tuple[list[int], int]:
+    def restore(self, seq_id: int, token_ids: list[int], indices: list[int],
+                found: dict | None = None) -> tuple[list[int], int]:
         """Put back dropped blocks at `indices` (from `restorable`) from the tier, as far as the
         pool has free blocks. Returns (table indices restored, fingerprint mismatches)."""
         kv, records = self.kv, self.kv.tiers.records[seq_id]
-        restored, found, mismatches = [], [], 0
+        restored, loads, mismatches = [], [], 0
         for index in indices:
             if kv.pool.num_free == 0:
                 break
             tokens = tuple(token_ids[index * kv.block_size:(index + 1) * kv.block_size])
             block_hash = kv._hashes[seq_id][index]
-            data = self.tier.get(block_hash, tokens)
+            data = self._get(block_hash, tokens, found)
             if data is None:
                 continue
             before = records[index].fingerprint  # [2, Hkv, D], taken when the block left
@@ -117,8 +123,8 @@ class TierIO:
                 continue
             kv.allocate_restore(seq_id, [index])
             restored.append(index)
-            found.append(data)
-        self.write_blocks([kv._tables[seq_id][i] for i in restored], found)
+            loads.append(data)
+        self.write_blocks([kv._tables[seq_id][i] for i in restored], loads)
         if restored:
             mismatches += kv.finish_restore(seq_id, restored, token_ids)
             kv._note_peak()

@@ -83,6 +83,9 @@ class AsyncEngine:
         self.accepting = False
         self._post(_Job(self._request_stop))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        tier_io = self.engine.kv.tier_io
+        if tier_io is not None:  # the session tier's writes in flight reach their files
+            await asyncio.get_running_loop().run_in_executor(None, tier_io.tier.close)
 
     async def call(self, fn: Callable[[], object]):
         """Run `fn()` on the engine thread between steps and return its result (or raise)."""

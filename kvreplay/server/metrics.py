@@ -46,6 +46,8 @@ _REQUEST_STAT_COUNTERS = {
     "approx_tokens": ("approx_tokens", "Tokens attended approximately (sparse or quantized KV)"),
     "replay_mismatches": ("replay_mismatches", "Replays whose recomputed KV did not match"),
     "kv_tier_loaded_tokens": ("tier_loaded_tokens", "Tokens loaded from the session tier instead of recomputed"),
+    "kv_tier_overlapped_tokens": ("tier_overlapped_tokens",
+                                  "Tokens loaded from the session tier in the background while a head was recomputed"),
     "kv_tier_recomputed_tokens": ("tier_recomputed_tokens",
                                   "Tokens the session tier held but recompute was predicted cheaper"),
 }
