@@ -25,6 +25,11 @@ def test_the_split_balances_the_two_halves():
     # one side far cheaper: all or nothing
     assert _costs(0.01, 1.0).head_blocks(20, 20 * 0.01, BLOCK_TOKENS) == 0
     assert _costs(100.0, 1.0).head_blocks(20, 20 * 100.0, BLOCK_TOKENS) == 20
+    # a split costs one more engine step: a run short against a step is not split
+    costs = _costs(1.0, 1.0)
+    costs.step_seconds = 4.0
+    assert costs.head_blocks(8, 8 * 1.0, BLOCK_TOKENS) in (0, 8)
+    assert costs.head_blocks(20, 20 * 1.0, BLOCK_TOKENS) == 10  # 10 + 4 < 20
     # a single block is never split; forced choices do not split
     assert _costs(1.0, 1.0).head_blocks(1, 1.0, BLOCK_TOKENS) in (0, 1)
     assert _costs(1.0, 1.0, "load").head_blocks(10, 10.0, BLOCK_TOKENS) == 0
@@ -32,11 +37,13 @@ def test_the_split_balances_the_two_halves():
 
 
 @pytest.mark.parametrize("load,recompute", [(0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (1.0, 7.0)])
-def test_the_split_is_never_slower_than_either_fixed_choice(load, recompute):
+@pytest.mark.parametrize("step", [0.0, 3.0])
+def test_the_split_is_never_slower_than_either_fixed_choice(load, recompute, step):
     costs = _costs(load, recompute)
+    costs.step_seconds = step
     for blocks in range(1, 40):
         head = costs.head_blocks(blocks, blocks * load, BLOCK_TOKENS)
-        seconds = max(head * recompute, (blocks - head) * load)
+        seconds = max(head * recompute, (blocks - head) * load) + (0 < head < blocks) * costs.step_seconds
         assert seconds <= min(blocks * load, blocks * recompute) + 1e-9
 
 

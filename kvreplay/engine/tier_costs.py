@@ -17,10 +17,12 @@ tail does not wait for the head). Both proceed at once, so the run takes
 
     max(k x recompute per block, (n - k) x load per block)
 
-which is least near k = n x load / (load + recompute); `head_blocks` picks k among 0 (load
-all), n (recompute all) and the two integers around that point. A split pays where the two
-costs are of one order (a slow disk, a fast accelerator); where one side is many times cheaper
-it rounds to all or nothing.
+which is least near k = n x load / (load + recompute), plus one engine step: the tail goes in
+once the head's step is done, so what follows the run is computed a step later than with either
+fixed choice (the recent mean step time, measured). `head_blocks` picks k among 0 (load all),
+n (recompute all) and the two integers around that point. A split pays where the two costs are
+of one order and large against a step (a slow disk, a fast accelerator, a long run); elsewhere
+it is all or nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class TierCosts:
                  smoothing: float = 0.2):
         self.read_seconds_per_byte = dict(read_seconds_per_byte)  # 'memory' / 'disk' -> s/B
         self.recompute_tokens_per_second = PRIOR_TOKENS_PER_SECOND
+        self.step_seconds = 0.0  # the recent prefill steps' mean time (what a split waits more)
         self.num_prefill_steps = 0
         self.choice = choice        # cost | load | recompute (kv_tier_choice)
         self.smoothing = smoothing  # weight of the newest measurement in the averages
@@ -46,11 +49,6 @@ class TierCosts:
     def predict_recompute(self, num_tokens: int) -> float:
         return num_tokens / self.recompute_tokens_per_second
 
-    def prefer_load(self, load_seconds: float, recompute_seconds: float) -> bool:
-        if self.choice != "cost":
-            return self.choice == "load"
-        return load_seconds < recompute_seconds
-
     def head_blocks(self, num_blocks: int, load_seconds: float, block_tokens: int) -> int:
         """Of a run of `num_blocks` the tier holds (predicted to load in `load_seconds`), how
         many at its head to recompute while the rest is read in the background: 0 loads all,
@@ -63,7 +61,8 @@ class TierCosts:
         candidates = sorted({0, num_blocks, min(num_blocks, int(point)), min(num_blocks, int(point) + 1)})
 
         def seconds(head: int) -> float:
-            return max(head * recompute, (num_blocks - head) * load)
+            split = 0 < head < num_blocks
+            return max(head * recompute, (num_blocks - head) * load) + (self.step_seconds if split else 0.0)
         # ties go to the fewest parts: all or nothing first (a split costs a second pass)
         return min(sorted(candidates, key=lambda head: head not in (0, num_blocks)), key=seconds)
 
@@ -77,6 +76,7 @@ class TierCosts:
         if num_tokens <= 0 or seconds <= 0:
             return
         rate = num_tokens / seconds
-        self.recompute_tokens_per_second = rate if self.num_prefill_steps == 0 else \
-            self._average(self.recompute_tokens_per_second, rate)
+        first = self.num_prefill_steps == 0
+        self.recompute_tokens_per_second = rate if first else self._average(self.recompute_tokens_per_second, rate)
+        self.step_seconds = seconds if first else self._average(self.step_seconds, seconds)
         self.num_prefill_steps += 1
