@@ -234,8 +234,9 @@ class EngineConfig:
               "in it; files survive restarts)", type=str, default_help="none: no disk tier",
         check=applying(check_tier_dir))
     kv_tier_choice: str = knob(
-        "cost", "session tier: how a missing range comes back: cost (load or recompute, "
-                "whichever the measured rates predict cheaper), load, or recompute",
+        "cost", "session tier: how a missing range comes back: cost (load, recompute, or "
+                "recompute its head while its tail is read, whichever the measured rates predict "
+                "fastest), load, or recompute",
         choices=TIER_CHOICES, check=one_of(TIER_CHOICES))
 
     def __post_init__(self):
