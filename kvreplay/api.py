@@ -10,6 +10,7 @@ from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 
 Message = dict[str, str]
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class LLM:
@@ -66,6 +67,10 @@ class LLM:
         hot = [None] * len(batch) if hot_from is None else list(hot_from)
         if len(hot) != len(batch):
             raise ValueError(f"{len(hot)} hot_from values for {len(batch)} prompts")
+        vocab_size = self.engine.model_config.vocab_size
+        for param in param_list:
+            if isinstance(param, SamplingParams):  # the engine refuses anything else
+                param.check_token_ids(vocab_size)
         ids = []
         try:
             for prompt, param, span, start in zip(batch, param_list, protected, hot):
@@ -144,6 +149,10 @@ class LLM:
         if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                        and isinstance(m.get("content"), str) for m in conversation):
             raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': str} dicts")
+        unknown = [m["role"] for m in conversation if m["role"] not in CHAT_ROLES]
+        if unknown:
+            raise ValueError(f"unknown chat role {unknown[0]!r}: a message's role is one of "
+                             f"{', '.join(CHAT_ROLES)}")
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                  tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return BatchEncoding

@@ -9,6 +9,7 @@ from kvreplay.kernels import cpu_kernels
 from kvreplay.validate import check_int, check_number
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # the engine seeds branch i with seed + i; torch takes seeds below 2**64
 
 
 @dataclass
@@ -20,9 +21,11 @@ class SamplingParams:
         temperature: 0 is greedy; higher flattens the distribution.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens (0 or -1: all).
-        seed: makes sampling reproducible for this request, whatever else runs beside it.
+        seed: makes sampling reproducible for this request, whatever else runs beside it
+            (0 to MAX_SEED, 2**63 - 1).
         stop: strings that end generation; they are not included in the text.
-        stop_token_ids: token ids that end generation (the EOS token always does, unless ignore_eos).
+        stop_token_ids: token ids that end generation (the EOS token always does, unless
+            ignore_eos); each must be in the model's vocabulary (`check_token_ids`).
         n: completions per prompt.
         logprobs: return this many top log-probabilities per generated token (plus the chosen one).
         ignore_eos: keep generating past EOS.
@@ -50,7 +53,7 @@ class SamplingParams:
         check_number("temperature", self.temperature, 0, 100, what="a number")
         check_number("top_p", self.top_p, 0, 1, low_open=True)
         check_int("top_k", self.top_k, -1)
-        check_int("seed", self.seed, 0, optional=True)
+        check_int("seed", self.seed, 0, MAX_SEED, optional=True)
         check_int("n", self.n, 1)
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         check_int("beam_width", self.beam_width, 1)
@@ -61,6 +64,13 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError for stop_token_ids outside a vocabulary of `vocab_size` tokens (the
+        model's; LLM.generate and the server call this before queuing a request)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:5]}")
 
     @property
     def greedy(self) -> bool:

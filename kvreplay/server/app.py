@@ -22,13 +22,21 @@ from kvreplay.server.state import ApiError, ServerState
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 class _Gatekeeper:
-    """Pure ASGI middleware, outermost: checks the API key (all routes but /health) and counts
-    generation responses by status for /metrics (streams count when their headers go out)."""
+    """Pure ASGI middleware, outermost: checks the API key (all routes but /health, and /metrics
+    with metrics_public) and counts generation responses by status for /metrics (streams count
+    when their headers go out).
+
+    The key comes as `Authorization: Bearer KEY`, the scheme in any case (RFC 9110). With a key
+    set, a request with more than one Authorization header gets 400: which one would count is
+    not defined."""
 
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
         self.app = app
-        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.key = config.api_key.encode() if config.api_key else None
+        self.open_paths = {"/health", "/metrics"} if config.metrics_public else {"/health"}
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
@@ -37,13 +45,22 @@ class _Gatekeeper:
         path = scope["path"]
         if path in GENERATION_PATHS:
             send = self._counting(path, send)
-        if self.expected is not None and path != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
+        if self.key is not None and path not in self.open_paths:
+            error = self._check_key(scope["headers"])
+            if error is not None:
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+    def _check_key(self, headers) -> ApiError | None:
+        given = [value for name, value in headers if name.lower() == b"authorization"]
+        if len(given) > 1:
+            return ApiError(400, f"the request has {len(given)} Authorization headers: send one",
+                            code="duplicate_authorization")
+        scheme, _, key = (given[0] if given else b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key):
+            return None
+        return ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key")
 
     def _counting(self, path: str, send):
         async def counting_send(message):
@@ -55,7 +72,7 @@ class _Gatekeeper:
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The app for one loaded engine. Its lifespan starts the engine loop and, on shutdown
-    (SIGTERM once uvicorn has drained connections), aborts what is left and stops it."""
+    (after SIGTERM's drain, runner.py), aborts what is left and stops it."""
     metrics = ServerMetrics(lambda: engine.snapshot)
 
     @contextlib.asynccontextmanager

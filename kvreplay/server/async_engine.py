@@ -9,7 +9,9 @@ inbox, and the thread hands outputs back on each submission's asyncio queue:
           └──── Generation (asyncio.Queue) ◀──── loop.call_soon_threadsafe ───┘
 
 Jobs run between steps, so every request added in one step joins the next one: concurrent
-clients share the continuous batch.
+clients share the continuous batch. Prompts reach the engine thread as token ids: `submit`
+has them rendered and tokenized on a thread of their own first (prompts.py), so a long prompt
+never stalls the step loop.
 """
 from __future__ import annotations
 
@@ -22,13 +24,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-import jinja2
-
 from kvreplay.api import LLM
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 from kvreplay.server.generation import (EngineSnapshot, EngineUnavailableError, Generation,
                                         QueueFullError)
+from kvreplay.server.prompts import PreparedPrompt, PromptPreparer
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +44,23 @@ class AsyncEngine:
     """Runs `llm.engine` on its own thread and multiplexes clients onto it.
 
     Args:
-        llm: the loaded model; its engine and tokenizer are used only from the engine thread.
+        llm: the loaded model; its engine and tokenizer are used only from the engine thread
+            (prompts are tokenized with a private copy of the tokenizer).
         max_queued_seqs: sequences (prompts x n) admitted and unfinished at most; a submission
             beyond it fails at once with QueueFullError.
+        max_seqs_per_request: sequences one submission may ask for (at most max_queued_seqs
+            count); more is a ValueError, so that one request cannot fill the queue.
+        max_prompt_bytes: a prompt over this many bytes is refused before tokenizing
+            (PromptPreparer; None: derived from the context length).
     """
 
-    def __init__(self, llm: LLM, max_queued_seqs: int = 256):
+    def __init__(self, llm: LLM, max_queued_seqs: int = 256, max_seqs_per_request: int = 64,
+                 max_prompt_bytes: int | None = None):
         self.llm = llm
         self.engine = llm.engine
         self.max_queued_seqs = max_queued_seqs
+        self.max_seqs_per_request = min(max_seqs_per_request, max_queued_seqs)
+        self.preparer = PromptPreparer(llm, max_prompt_bytes)
         self.num_queued_seqs = 0           # event-loop thread only
         self.accepting = True
         self.failure: BaseException | None = None
@@ -60,6 +69,7 @@ class AsyncEngine:
         self._inbox_lock = threading.Lock()  # orders "post a job" against "the loop has ended"
         self._ended = False
         self._stop_requested = False
+        self._cut = False  # every request was aborted for shutdown: add no more (engine thread)
         self._sinks: dict[str, Callable[[object], None]] = {}  # engine thread only
         self._stats_totals: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="kvreplay-engine", daemon=True)
@@ -69,10 +79,15 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def drained(self) -> bool:
+        """Refusing new work, and every admitted submission has been closed (its client served)."""
+        return not self.accepting and self.num_queued_seqs == 0
+
     def drain(self, timeout_s: float) -> None:
         """Refuse new work now; abort whatever is still running after `timeout_s` seconds, so
-        its clients get a final chunk with finish_reason "abort" instead of a cut connection.
-        Safe to call from a signal handler."""
+        its clients get a final chunk (finish_reason "length", stop_reason "shutdown") instead
+        of a cut connection. Safe to call from a signal handler."""
         self.accepting = False
         timer = threading.Timer(timeout_s, self._post, args=(_Job(self._abort_all),))
         timer.daemon = True
@@ -100,11 +115,20 @@ class AsyncEngine:
     async def submit(self, prompts: list, params: SamplingParams, *, stream: bool,
                      chat: bool) -> Generation:
         """Queue one engine request per prompt (a string, token ids, or with chat=True a
-        conversation). Raises ValueError/TypeError for bad input, QueueFullError when full,
-        EngineUnavailableError while shutting down."""
+        conversation). Raises ValueError/TypeError for bad input (PromptTooLongError for a
+        prompt longer than the context), QueueFullError when full, EngineUnavailableError
+        while shutting down."""
         if self.failure is not None or not self.accepting:
             raise EngineUnavailableError(self._unavailable_reason())
         num_seqs = len(prompts) * params.n
+        if num_seqs > self.max_seqs_per_request:
+            raise ValueError(f"this request asks for {num_seqs} sequences ({len(prompts)} "
+                             f"prompt(s) x n={params.n}); the server runs at most "
+                             f"{self.max_seqs_per_request} per request: send fewer prompts or "
+                             f"a smaller n")
+        if params.stop_token_ids:
+            params.check_token_ids(self.engine.model_config.vocab_size)
+        self.preparer.check_sizes(prompts, chat)  # cheap; before taking slots
         if self.num_queued_seqs + num_seqs > self.max_queued_seqs:
             raise QueueFullError(f"the server queue is full ({self.num_queued_seqs} of "
                                  f"{self.max_queued_seqs} sequences): retry later")
@@ -116,9 +140,10 @@ class AsyncEngine:
 
         def sink(item):
             _call_soon(loop, generation.push, item)
-        try:
-            await self.call(lambda: self._add_all(generation.request_ids, prompts, params,
-                                                  stream, chat, sink))
+        try:  # the slots stay taken while the prompts are tokenized: that queue is bounded too
+            prepared = await self.preparer.prepare(prompts, chat)
+            await self.call(lambda: self._add_all(generation.request_ids, prepared, params,
+                                                  stream, sink))
         except BaseException:
             generation.close()
             raise
@@ -138,21 +163,18 @@ class AsyncEngine:
             job.done(None, EngineUnavailableError("the engine loop has stopped"))
 
     # ------------------------------------------------------------------ engine thread
-    def _add_all(self, request_ids, prompts, params, stream, chat, sink) -> None:
+    def _add_all(self, request_ids: list[str], prepared: list[PreparedPrompt],
+                 params: SamplingParams, stream: bool, sink) -> None:
+        if self._cut:  # admitted before the drain, tokenized after its deadline
+            raise EngineUnavailableError(self._unavailable_reason())
         added = []
         try:
-            for request_id, prompt in zip(request_ids, prompts):
-                try:
-                    token_ids = self.llm.chat_prompt_ids(prompt) if chat else self.engine.tokenize(prompt)
-                    # a chat's system message is a protected zone, as in LLM.chat
-                    protected = self.llm.system_span_tokens(prompt) if chat else 0
-                    # ... and its last rounds stay in full precision under the cold presets
-                    hot_from = self.llm.recent_rounds_start(prompt) if chat else None
-                except jinja2.TemplateError as exc:
-                    raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
-                self.engine.add_request(token_ids, self._default_max_tokens(params, len(token_ids)),
-                                        request_id=request_id, stream=stream, protected_tokens=protected,
-                                        hot_from=hot_from)
+            for request_id, prompt in zip(request_ids, prepared):
+                num_tokens = len(prompt.token_ids)
+                self.engine.add_request(prompt.token_ids, self._default_max_tokens(params, num_tokens),
+                                        request_id=request_id, stream=stream,
+                                        protected_tokens=prompt.protected_tokens,
+                                        hot_from=prompt.hot_from)
                 self._sinks[request_id] = sink
                 added.append(request_id)
         except BaseException:
@@ -184,8 +206,9 @@ class AsyncEngine:
         self._stop_requested = True
 
     def _abort_all(self) -> None:
-        """Abort every request that has a client; each client gets its aborted output, or an
-        error when the engine has failed and cannot be trusted to produce one."""
+        """Abort every request that has a client (shutdown); each client gets its aborted output,
+        or an error when the engine has failed and cannot be trusted to produce one."""
+        self._cut = True
         fallback = EngineUnavailableError(self._unavailable_reason())
         for request_id, sink in list(self._sinks.items()):
             output = self._abort(request_id) if self.failure is None else None

@@ -17,11 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreplay.outputs import CompletionOutput, RequestOutput
 from kvreplay.server.state import ApiError, ServerState
-from kvreplay.server.generation import EngineUnavailableError, Generation, QueueFullError
-from kvreplay.server.formatting import ChoiceStream, error_body, usage
+from kvreplay.server.generation import (EngineUnavailableError, Generation, PromptTooLongError,
+                                        QueueFullError)
+from kvreplay.server.formatting import ChoiceStream, error_body, finish_fields, usage
 from kvreplay.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 
 router = APIRouter()
+RETRY_AFTER_S = 1  # a full queue's Retry-After: sequences finish every engine step
 
 
 class _ChatShape:
@@ -37,7 +39,7 @@ class _ChatShape:
             logprobs = self.formatter.chat_logprobs(completion.token_ids, completion.logprobs,
                                                     self.num_top)
         return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": logprobs, "finish_reason": completion.finish_reason}
+                "logprobs": logprobs, **finish_fields(completion.finish_reason)}
 
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -48,7 +50,7 @@ class _ChatShape:
         if self.num_top is not None:
             logprobs = self.formatter.chat_logprobs(token_ids, entries, self.num_top)
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+                **finish_fields(finish_reason)}
 
 
 class _CompletionShape(_ChatShape):
@@ -61,7 +63,7 @@ class _CompletionShape(_ChatShape):
             logprobs = self.formatter.completion_logprobs(completion.token_ids, completion.logprobs,
                                                           self.num_top)
         return {"index": index, "text": completion.text, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason}
+                **finish_fields(completion.finish_reason)}
 
     def opening_choice(self, index: int) -> dict | None:
         return None
@@ -72,7 +74,7 @@ class _CompletionShape(_ChatShape):
             logprobs = self.formatter.completion_logprobs(token_ids, entries, self.num_top,
                                                           stream.num_logprob_chars)
             stream.num_logprob_chars += sum(len(token) for token in logprobs["tokens"])
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, **finish_fields(finish_reason)}
 
 
 @router.post("/v1/chat/completions")
@@ -110,7 +112,10 @@ async def _parse(request: Request, model: type[pydantic.BaseModel], max_bytes: i
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "body"
-        raise ApiError(400, f"{where}: {error['msg']}", where if error["loc"] else None) from None
+        # a validator's own message, without pydantic's "Value error, " before it
+        cause = error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
+        message = str(cause) if cause is not None else error["msg"]
+        raise ApiError(400, f"{where}: {message}", where if error["loc"] else None) from None
 
 
 def _sampling_params(body):
@@ -127,9 +132,13 @@ async def _serve(request: Request, state: ServerState, body, prompts, params, sh
     try:
         generation = await state.engine.submit(prompts, params, stream=body.stream, chat=chat)
     except QueueFullError as exc:
-        raise ApiError(429, str(exc), code="queue_full") from None
+        raise ApiError(429, str(exc), code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except EngineUnavailableError as exc:
         raise ApiError(503, str(exc)) from None
+    except PromptTooLongError as exc:
+        raise ApiError(400, str(exc), "messages" if chat else "prompt",
+                       "context_length_exceeded") from None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, str(exc)) from None
     header = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -144,8 +153,8 @@ async def _serve(request: Request, state: ServerState, body, prompts, params, sh
         raise ApiError(503, str(exc)) from None
     finally:
         generation.close()
-    if outputs is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
+    if outputs is None:  # the client is gone (its requests are aborted): nobody reads this,
+        return Response(status_code=499)  # but kvreplay_requests_total counts it, as nginx would
     state.metrics.request_latency.observe(time.monotonic() - arrival)
     choices = [shape.choice(prompt_index * params.n + completion.index, completion)
                for prompt_index, output in enumerate(outputs) for completion in output.outputs]
@@ -168,9 +177,10 @@ async def _collect_unless_disconnected(request: Request, generation: Generation)
     try:
         await asyncio.wait({collect, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        disconnected.cancel()
-        if not collect.done():
-            collect.cancel()
+        for task in (collect, disconnected):
+            task.cancel()
+        # a cancelled task is not done until it has run once more: wait for both to end
+        await asyncio.gather(collect, disconnected, return_exceptions=True)
     return None if collect.cancelled() else collect.result()
 
 

@@ -11,6 +11,9 @@ from kvreplay.validate import boolean, check_knobs, ints, knob, knob_docs, numbe
 
 DEFAULT_MODEL_NAME = "kvreplay-default"
 API_KEY_ENV = "KVREPLAY_API_KEY"
+# max_prompt_bytes' default per token of the model's context: text averages 3-5 bytes a token,
+# so a prompt over this many bytes cannot fit the context, and is refused before tokenizing
+PROMPT_BYTES_PER_TOKEN = 16
 
 
 def _non_empty_name(name, value, owner):
@@ -36,18 +39,32 @@ class ServerConfig:
         cli_default=None, default_help=f"{DEFAULT_MODEL_NAME}, or the stem of --model",
         check=_non_empty_name)
     api_key: str | None = knob(
-        None, "when set, every route but /health needs 'Authorization: Bearer KEY'",
+        None, "when set, every route but /health needs 'Authorization: Bearer KEY' (the scheme "
+              "in any case; a request with several Authorization headers gets 400)",
         default_help=f"${API_KEY_ENV} for the flag, else no key", check=_real_key)
     max_queued_seqs: int = knob(
         256, "sequences (prompts x n) admitted and unfinished at most; beyond it requests get "
-             "429 at once", check=ints(1))
+             "429 (with Retry-After) at once", check=ints(1))
+    max_seqs_per_request: int = knob(
+        64, "sequences (prompts x n) one request may ask for, so that one request cannot fill "
+            "the queue; beyond it (or beyond --max-queued-seqs) a request gets 400", check=ints(1))
     max_request_bytes: int = knob(
         1 << 20, "largest request body accepted (413 beyond it)", check=ints(1))
+    max_prompt_bytes: int | None = knob(
+        None, "largest prompt, in UTF-8 bytes (a chat: its messages), that is tokenized; a larger "
+              "one gets 400 at once", type=int,
+        default_help=f"{PROMPT_BYTES_PER_TOKEN} bytes per token of the model's context",
+        check=ints(1, optional=True))
     shutdown_timeout_s: float = knob(
-        10.0, "seconds in-flight requests may run after SIGTERM before they are aborted",
+        10.0, "seconds in-flight requests may run after SIGTERM (the port stays open meanwhile: "
+              "/health and new requests get 503) before they are cut, ending with finish_reason "
+              "'length' and stop_reason 'shutdown'",
         flag="--shutdown-timeout", check=numbers(0))
     debug_endpoints: bool = knob(
         False, "serve GET /debug/kv (KV pool state and an integrity check)", check=boolean)
+    metrics_public: bool = knob(
+        False, "serve GET /metrics without the API key (for Prometheus scrapers); every other "
+               "route but /health still needs it", check=boolean)
 
     def __post_init__(self):
         check_knobs(self)

@@ -14,6 +14,15 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: s
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def finish_fields(finish_reason: str | None) -> dict:
+    """A choice's `finish_reason` in OpenAI's terms. The only aborted request a client sees is one
+    the server cut at shutdown (a client that leaves is sent nothing more): it ends with "length",
+    as a cut reply does, and says why in `stop_reason`: "shutdown"."""
+    if finish_reason == "abort":
+        return {"finish_reason": "length", "stop_reason": "shutdown"}
+    return {"finish_reason": finish_reason}
+
+
 def usage(outputs: list[RequestOutput]) -> dict:
     """Token counts as OpenAI counts them (a prompt once, however many choices), plus `kv`: the
     request's KV counters (docs/architecture.md §5) summed over all its sequences."""

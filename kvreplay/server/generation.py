@@ -16,6 +16,11 @@ class EngineUnavailableError(RuntimeError):
     """The engine is shutting down or has failed (503)."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt longer than the context, found by its bytes or its tokens (400,
+    code context_length_exceeded)."""
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What the metrics read, published by the engine thread after each step."""

@@ -139,6 +139,14 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompts(cls, prompt):
+        # before the union's own checks, whose message for a long list names the wrong member
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
+
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
             raise ProtocolError("'echo' is not supported", "echo")

@@ -18,14 +18,16 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 class ApiError(Exception):
     """An error answered in the OpenAI shape with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = error_body(self.message, _ERROR_TYPES.get(self.status, "server_error"), self.param,
                           self.code)
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""Prompts -> token ids, off the engine thread.
+
+Rendering a chat template and tokenizing take time in proportion to the prompt: done on the engine
+thread, one pasted megabyte would stall every stream for seconds. So the event loop first refuses
+a prompt by its size in bytes (cheap, before any tokenizing), then a thread of this module's own,
+holding a private copy of the tokenizer (a tokenizer is not safe to share across threads), renders
+and tokenizes it and checks its length in tokens; the engine thread only queues the ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jinja2
+
+from kvreplay.server.config import PROMPT_BYTES_PER_TOKEN
+from kvreplay.server.generation import PromptTooLongError
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """What the engine thread needs to queue one prompt."""
+    token_ids: list[int]
+    protected_tokens: int = 0        # a chat's system message, a protected zone (as in LLM.chat)
+    hot_from: int | None = None      # where a chat's last rounds start (LLM.recent_rounds_start)
+
+
+class PromptPreparer:
+    """Checks and tokenizes prompts (strings, token ids, or conversations) for one LLM.
+
+    Args:
+        llm: the loaded model; only a view of it with its own tokenizer is used here.
+        max_prompt_bytes: a prompt over this many UTF-8 bytes is refused before tokenizing
+            (None: PROMPT_BYTES_PER_TOKEN per token of the context).
+    """
+
+    def __init__(self, llm, max_prompt_bytes: int | None = None):
+        self.max_model_len = llm.engine.max_model_len
+        self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
+        self._llm = _private_view(llm)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvreplay-tokenize")
+
+    def check_sizes(self, prompts: list, chat: bool) -> None:
+        """Refuse a prompt whose bytes (or token ids) cannot fit the context; cheap: no tokenizing."""
+        for prompt in prompts:
+            if not chat and isinstance(prompt, list):
+                self._check_tokens(len(prompt))
+                continue
+            size = (sum(len(m["content"].encode()) + len(m["role"]) for m in prompt) if chat
+                    else len(prompt.encode()))
+            if size > self.max_prompt_bytes:
+                raise PromptTooLongError(
+                    f"the prompt has {size:,} bytes; this server tokenizes at most "
+                    f"{self.max_prompt_bytes:,} (max_prompt_bytes; the context is "
+                    f"{self.max_model_len:,} tokens): shorten it")
+
+    async def prepare(self, prompts: list, chat: bool) -> list[PreparedPrompt]:
+        """Each prompt's token ids, made on the tokenizing thread (after check_sizes). Raises
+        ValueError (or TypeError) for a prompt the engine could not take."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._prepare_all, prompts, chat)
+
+    # ------------------------------------------------------------------ tokenizing thread
+    def _prepare_all(self, prompts: list, chat: bool) -> list[PreparedPrompt]:
+        return [self._prepare_chat(prompt) if chat else self._prepare_text(prompt) for prompt in prompts]
+
+    def _prepare_text(self, prompt) -> PreparedPrompt:
+        token_ids = self._llm.engine.tokenize(prompt)  # token ids: checked against the vocabulary
+        self._check_tokens(len(token_ids))
+        return PreparedPrompt(token_ids)
+
+    def _prepare_chat(self, conversation: list[dict[str, str]]) -> PreparedPrompt:
+        llm = self._llm
+        try:
+            token_ids = llm.chat_prompt_ids(conversation)
+            self._check_tokens(len(token_ids))
+            return PreparedPrompt(token_ids, llm.system_span_tokens(conversation),
+                                  llm.recent_rounds_start(conversation))
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+
+    def _check_tokens(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_tokens:,} tokens but the context is {self.max_model_len:,}: "
+                f"shorten it (leave room for one output token)")
+
+
+def _private_view(llm):
+    """A shallow copy of `llm` (and of its engine) whose tokenizer is a private deep copy: the
+    tokenizing thread calls only its tokenizing methods (chat_prompt_ids, system_span_tokens,
+    recent_rounds_start, engine.tokenize), which read nothing the engine thread changes."""
+    tokenizer = copy.deepcopy(llm.tokenizer)
+    engine = copy.copy(llm.engine)
+    engine.tokenizer = tokenizer
+    view = copy.copy(llm)
+    view.tokenizer, view.engine = tokenizer, engine
+    return view
