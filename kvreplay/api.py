@@ -41,14 +41,19 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, on_step=None,
                  protected_tokens: int | Seq[int] | None = None,
-                 hot_from: Seq[int | None] | None = None):
+                 hot_from: Seq[int | None] | None = None, keep: bool = False,
+                 continues: Seq[str | None] | None = None):
         """Generate for one prompt (returns one RequestOutput) or a list (returns a list, in order).
 
         A prompt is a string or a list of token ids. `on_step`, if given, is called after each
         engine step (tests use it to check integrity). `protected_tokens` marks the first tokens
         of each prompt (one int for all, or one per prompt) as a protected zone: pinned, never
         dropped while the request lives. `hot_from` (one per prompt, None for none): the cold
-        presets keep tokens from there on in full precision (`chat` passes its last rounds)."""
+        presets keep tokens from there on in full precision (`chat` passes its last rounds).
+        `keep`: each request's KV stays, as its policy left it, after it finishes; `continues`
+        (one per prompt, None for none): the request id of a kept request whose tokens the
+        prompt extends, so only the new tokens are prefilled (a chat's next round; `release`
+        frees a kept request)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
@@ -67,14 +72,18 @@ class LLM:
         hot = [None] * len(batch) if hot_from is None else list(hot_from)
         if len(hot) != len(batch):
             raise ValueError(f"{len(hot)} hot_from values for {len(batch)} prompts")
+        after = [None] * len(batch) if continues is None else list(continues)
+        if len(after) != len(batch):
+            raise ValueError(f"{len(after)} continues values for {len(batch)} prompts")
         vocab_size = self.engine.model_config.vocab_size
         for param in param_list:
             if isinstance(param, SamplingParams):  # the engine refuses anything else
                 param.check_token_ids(vocab_size)
         ids = []
         try:
-            for prompt, param, span, start in zip(batch, param_list, protected, hot):
-                ids.append(self.engine.add_request(prompt, param, protected_tokens=span, hot_from=start))
+            for prompt, param, span, start, kept in zip(batch, param_list, protected, hot, after):
+                ids.append(self.engine.add_request(prompt, param, protected_tokens=span, hot_from=start,
+                                                   keep=keep, continues=kept))
         except Exception:
             for request_id in ids:  # nothing half-queued survives a bad prompt in the batch
                 self.engine.abort_request(request_id)
@@ -82,6 +91,10 @@ class LLM:
         results = self._run(ids, use_tqdm, on_step)
         outputs = [results[i] for i in ids]
         return outputs[0] if single else outputs
+
+    def release(self, request_id: str) -> bool:
+        """Free a request kept with `generate(keep=True)`; False when none has that id."""
+        return self.engine.release(request_id)
 
     def chat(self, conversations: list[Message] | Seq[list[Message]],
              params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,

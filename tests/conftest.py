@@ -53,3 +53,25 @@ def real_text() -> str:
     """Long real English text: the Python reference docs shipped with CPython."""
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama (2 KV heads of 16) with the default model's tokenizer: engine logic
+    on real code paths at a small cost."""
+    import transformers
+    from kvreplay.models.loader import load_tokenizer
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer(None)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper attention than the init's, so that what is kept matters
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)

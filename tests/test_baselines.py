@@ -166,27 +166,6 @@ def test_quest_masks_all_but_each_heads_top_blocks_by_bound():
 
 
 # ---------------------------------------------------------------------------- the engine
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A 2-layer random Llama (2 KV heads of 16) with the default model's tokenizer."""
-    import transformers
-    from kvreplay.models.loader import load_tokenizer
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = load_tokenizer(None)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=2048, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper attention than the init's, so that what is kept matters
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BASELINES = {"snapkv": {}, "h2o": {}, "window": {}, "quest": {},
              "replay": {"trim": "prefill", "replay_threshold": 1.0, "heavy_tokens": 0}}
@@ -305,3 +284,20 @@ def test_planner_knows_the_baselines():
     assert plan(dims, 4096, PlanKnobs(resident_ratio=0.001), policies=["snapkv"]).policies[0].hot_blocks == 3
     with pytest.raises(ValueError, match="--resident-ratio"):
         plan(dims, 4096, policies=["h2o"])
+
+
+def test_a_prompts_last_chunk_keeps_its_observed_queries():
+    from kvreplay.kv.importance import OBSERVED_QUERIES, prompt_chunk
+    assert prompt_chunk(512, 511) == 512 - OBSERVED_QUERIES   # not 511, leaving 1 for a decode row
+    assert prompt_chunk(768, 512) == 512 and prompt_chunk(40, 40) == 40 and prompt_chunk(1, 1) == 1
+    assert prompt_chunk(20, 19) == 18 and prompt_chunk(20, 1) == 1  # tiny budgets: never 1 left
+
+
+def test_snapkv_cuts_every_prompt_of_a_batch(tiny_model):
+    """Two 768-token prompts on a 512-token step budget: the second one's prefill would have
+    ended on a one-token decode row, which skipped its observation and its cut."""
+    llm = _llm(tiny_model, "snapkv", resident_ratio=0.25, max_num_batched_tokens=512)
+    prompts = [torch.randint(100, 40000, (768,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(2)]
+    outs = llm.generate(prompts, PARAMS, on_step=lambda engine: engine.check_integrity())
+    assert [o.stats.dropped_tokens for o in outs] == [576, 576]  # 48 blocks cut to 12

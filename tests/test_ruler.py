@@ -9,9 +9,10 @@ from collections import Counter
 import pytest
 
 from kvreplay.bench.ruler import RulerSpec, plan_runs
-from kvreplay.bench.ruler_multiturn import ROUNDS, make_multiturn_case, round_prompt
+from kvreplay.bench.ruler_multiturn import ROUNDS, make_multiturn_case, next_turn, round_prompt
 from kvreplay.bench.ruler_tasks import TASKS, make_case
 from kvreplay.bench.ruler_text import TextKit, string_match_all
+from kvreplay.config import EngineConfig
 
 NEEDLE_TASKS = [t for t in TASKS if t.startswith("niah") or t == "vt"]
 
@@ -117,6 +118,32 @@ def test_multiturn_case(kit):
     assert text.endswith(case.answer_prefix(3))
     for r in range(3):
         assert f"{case.answer_prefix(r)} {r + 1}<|im_end|>" in text
+
+
+def test_a_kept_rounds_next_turn_is_the_rest_of_the_next_prompt(kit):
+    case = make_multiturn_case(kit, 1024, 1, seed=0)
+    chat = round_prompt(kit, case, 0, [])
+    for r in range(1, ROUNDS):
+        chat = chat + kit.encode(f" {r}") + next_turn(kit, case, r)
+        assert kit.decode(chat) == kit.decode(round_prompt(kit, case, r, [str(i) for i in range(1, r + 1)]))
+
+
+def test_multiturn_keeps_each_chats_kv_across_rounds(tiny_model):
+    """Rounds 2-4 prefill only their new turn: full reuses everything, snapkv keeps its holes
+    (no replay), replay brings its dropped middle back before each new turn."""
+    from kvreplay.bench.ruler import ruler_suite
+    spec = RulerSpec(tasks=("multiturn",), lengths=(768,), cases=2, ratios=(0.25,))
+    result = ruler_suite(EngineConfig(model=tiny_model, dtype="float32"), spec,
+                         ["full", "snapkv", "replay"], progress=False)
+    runs = {run["policy"]: run["tasks"]["multiturn"]["768"]["cases"] for run in result["runs"]}
+    for policy, rows in runs.items():
+        assert [row["round"] for row in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
+        first, later = rows[:2], rows[2:]
+        assert all(row["stats"]["prefix_hit_tokens"] == 0 for row in first)
+        assert all(0 < row["prompt_tokens"] - row["stats"]["prefix_hit_tokens"] < 64 for row in later), policy
+    assert all(row["stats"]["dropped_tokens"] > 0 for row in runs["snapkv"][:2])
+    assert all(row["stats"]["replays"] == 0 for row in runs["snapkv"] + runs["full"])
+    assert all(row["stats"]["replays"] >= 1 for row in runs["replay"][2:])
 
 
 def test_string_match_all():

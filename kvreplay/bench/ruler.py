@@ -24,7 +24,7 @@ import torch
 from kvreplay.bench.report import environment
 from kvreplay.bench.ruler_multiturn import (EXTRA_TOKENS, MAX_TOKENS as MULTITURN_MAX_TOKENS,
                                             MIN_LENGTH as MULTITURN_MIN_LENGTH, ROUNDS,
-                                            make_multiturn_case, round_prompt)
+                                            make_multiturn_case, next_turn, round_prompt)
 from kvreplay.bench.ruler_tasks import TASKS, make_case
 from kvreplay.bench.ruler_text import TextKit, string_match_all
 from kvreplay.bench.suite import make_llm
@@ -32,7 +32,8 @@ from kvreplay.config import EngineConfig
 from kvreplay.kv.policy import POLICIES
 
 SUITE_TASKS = (*TASKS, "multiturn")
-STAT_KEYS = ("replays", "replayed_tokens", "dropped_tokens", "approx_tokens", "pauses")
+STAT_KEYS = ("replays", "replayed_tokens", "dropped_tokens", "approx_tokens", "pauses",
+             "prefix_hit_tokens")
 
 
 def _min_length(task: str) -> int:
@@ -127,13 +128,16 @@ def _measure(engine, shares: dict[str, list[float]]) -> None:
             shares.setdefault(seq.request_id, []).append(reclaim.resident_share(seq))
 
 
-def run_batch(llm, prompts: list[list[int]], max_tokens: int, progress: bool) -> tuple[list[dict], float]:
-    """One batched greedy generate; per prompt its text, resident shares and counters."""
+def run_batch(llm, prompts: list[list[int]], max_tokens: int, progress: bool, keep: bool = False,
+              continues: list[str] | None = None) -> tuple[list[dict], float]:
+    """One batched greedy generate; per prompt its text, resident shares and counters (and,
+    under "_request_id" and "_tokens", what a kept session's next round continues)."""
     from kvreplay.sampling import SamplingParams
     shares: dict[str, list[float]] = {}
     started = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                           use_tqdm=progress, on_step=lambda engine: _measure(engine, shares))
+                           use_tqdm=progress, on_step=lambda engine: _measure(engine, shares),
+                           keep=keep, continues=continues)
     wall_s = time.perf_counter() - started
     rows = []
     for output in outputs:
@@ -143,7 +147,9 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int, progress: bool) ->
                      "resident_first": seen[0] if seen else None,
                      "resident_mean": sum(seen) / len(seen) if seen else None,
                      "resident_max": max(seen) if seen else None,
-                     "stats": {k: stats[k] for k in STAT_KEYS}})
+                     "stats": {k: stats[k] for k in STAT_KEYS},
+                     "_request_id": output.request_id,
+                     "_tokens": output.prompt_token_ids + output.token_ids})
     return rows, wall_s
 
 
@@ -165,21 +171,30 @@ def _cell(rows: list[dict], wall_s: float) -> dict:
 def _run_task(llm, kit: TextKit, cases: list, progress: bool) -> dict:
     rows, wall_s = run_batch(llm, [c.prompt_token_ids for c in cases], cases[0].max_tokens, progress)
     for case, row in zip(cases, rows):
+        del row["_request_id"], row["_tokens"]
         row.update(index=case.index, score=string_match_all(row["output"], case.references),
                    references=case.references, needles=[[n.start, n.end] for n in case.needles])
     return _cell(rows, wall_s)
 
 
 def _run_multiturn(llm, kit: TextKit, cases: list, progress: bool) -> dict:
-    """Round by round: each round one batched call over every case's chat so far."""
-    answers: list[list[str]] = [[] for _ in cases]
+    """Round by round, each round one batched call over every case's chat, which keeps its KV
+    from one round to the next (a kept session: what the policy evicted for the earlier
+    questions stays evicted, what replay dropped is replayed) and prefills only the new turn."""
+    eos = llm.tokenizer.eos_token_id
+    kept: list[tuple[str, list[int]]] = []
     rounds, all_rows, wall_s = [], [], 0.0
     for r in range(ROUNDS):
-        prompts = [round_prompt(kit, case, r, answers[i]) for i, case in enumerate(cases)]
-        rows, seconds = run_batch(llm, prompts, cases[0].max_tokens, progress)
+        if r == 0:
+            prompts = [round_prompt(kit, case, 0, []) for case in cases]
+        else:  # the chat so far (its closing EOS left to the template's glue), then the new turn
+            prompts = [(tokens[:-1] if tokens[-1] == eos else tokens) + next_turn(kit, case, r)
+                       for (_, tokens), case in zip(kept, cases)]
+        rows, seconds = run_batch(llm, prompts, cases[0].max_tokens, progress, keep=r < ROUNDS - 1,
+                                  continues=[request_id for request_id, _ in kept] or None)
         wall_s += seconds
+        kept = [(row.pop("_request_id"), row.pop("_tokens")) for row in rows]
         for i, (case, row) in enumerate(zip(cases, rows)):
-            answers[i].append(row["output"])
             row.update(index=case.index, round=r + 1, prompt_tokens=len(prompts[i]),
                        score=string_match_all(row["output"], [case.values[r]]),
                        references=[case.values[r]])

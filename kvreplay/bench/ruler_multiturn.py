@@ -73,3 +73,12 @@ def round_prompt(kit: TextKit, case: MultiTurnCase, round_index: int, answers: l
         if r < round_index:
             ids += kit.encode(f"{case.answer_prefix(r)} {answers[r].strip()}") + glue[2 * r + 2]
     return ids + kit.encode(case.answer_prefix(round_index))
+
+
+def next_turn(kit: TextKit, case: MultiTurnCase, round_index: int) -> list[int]:
+    """Token ids that follow round `round_index - 1`'s answer in round `round_index`'s prompt:
+    the template's glue, the new question, the opening of the assistant's turn, its answer
+    prefix (a kept session's next round: `round_prompt` less what the chat holds already)."""
+    glue = kit.frame(round_index + 1)
+    return (glue[2 * round_index] + kit.encode(case.question(round_index)) + glue[2 * round_index + 1]
+            + kit.encode(case.answer_prefix(round_index)))

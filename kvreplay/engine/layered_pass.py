@@ -12,6 +12,15 @@ from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
 from kvreplay.models.llama import LlamaModel
 
 
+def layered_work_bytes(model_config, block_size: int, dtype: torch.dtype, kv_bytes_per_token: int,
+                       start: int, end: int) -> int:
+    """Working bytes of a layered prefill of positions [start, end): the residual stream of its
+    tokens and one layer's K/V of every position before `end` (the scratch cache)."""
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    scratch = -(-end // block_size) * block_size * kv_bytes_per_token // model_config.num_layers
+    return (end - start) * model_config.hidden_size * dtype_bytes + scratch
+
+
 class LayeredPass:
     def __init__(self, model: LlamaModel, kv: KVManager, chunk_tokens: int, prefill_kernel,
                  observe_importance: bool):

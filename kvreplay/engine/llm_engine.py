@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from functools import partial
 
 import torch
 
@@ -11,11 +12,13 @@ from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
 from kvreplay.engine.counters import EngineCounters
+from kvreplay.engine.layered_pass import layered_work_bytes
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request, prompt_token_ids
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
+from kvreplay.engine.sessions import KeptSessions
 from kvreplay.engine.tier_loads import attach_tier
 from kvreplay.models.llama import LlamaModel
 from kvreplay.models.loader import load_model
@@ -39,7 +42,8 @@ class LLMEngine:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
                              f"({self.model_config.max_position_embeddings})")
-        self.eos_token_ids = self._eos_ids()
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = set() if eos is None else {int(eos)}
 
         dtype_bytes = torch.finfo(config.torch_dtype).bits // 8
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(dtype_bytes)
@@ -66,7 +70,8 @@ class LLMEngine:
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=heavy_tokens, trim_order=config.trim_order,
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
-                                   layered_work=self._layered_work if config.layered_prefill else None,
+                                   layered_work=partial(layered_work_bytes, cfg, config.block_size, config.torch_dtype,
+                                                        self.kv_bytes_per_token) if config.layered_prefill else None,
                                    replay_threshold=config.replay_threshold)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=need_layers,
@@ -78,15 +83,10 @@ class LLMEngine:
                                   if config.kv_policy.selects_per_step else None)
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.requests: dict[str, Request] = {}
+        self.sessions = KeptSessions(self.kv.free)  # finished requests kept for their next round
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
         self._next_id = 0
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -94,13 +94,16 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,
-                    protected_tokens: int = 0, hot_from: int | None = None) -> str:
+                    protected_tokens: int = 0, hot_from: int | None = None, keep: bool = False,
+                    continues: str | None = None) -> str:
         """Queue a prompt. Raises ValueError/TypeError for input the engine cannot serve.
 
         `protected_tokens`: the first tokens of the prompt (e.g. the system message) are a
         protected zone: pinned, kept through a pause; so are the first `sink_tokens`.
         `hot_from`: a prompt position from which the cold presets keep every block hot (a
-        chat's last rounds); None for none."""
+        chat's last rounds); None for none. `keep`: when the request finishes, park its KV as
+        its policy left it (`release` frees it); `continues`: the id of such a request whose
+        tokens this prompt extends: only the new tokens are prefilled (engine/sessions.py)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -108,11 +111,21 @@ class LLMEngine:
         max_tokens = check_request(token_ids, params, self.max_model_len, self.kv.capacity_tokens,
                                    self.config.kv_cache_memory, protected_tokens, hot_from)
         num_prompt = len(token_ids)
+        if (keep or continues is not None) and (params.n > 1 or params.beam_width > 1):
+            raise ValueError("kept sessions take one sequence per request: use n=1 without beam search")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.sessions:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if continues is not None:
+            seq = self.sessions.resume(continues, request_id, token_ids, params, max_tokens,
+                                       self.eos_token_ids, self._rng, hot_from)
+            self.scheduler.add(seq, kept=True)
+            self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
+                                                 token_ids, [seq], stream, keep)
+            self.counters.prompt_tokens += num_prompt - seq.num_computed_tokens
+            return request_id
         seqs = []
         for branch in range(params.n):
             generator = None
@@ -130,7 +143,7 @@ class LLMEngine:
             seqs[0].beam = BeamGroup(params.beam_width, max_tokens, seqs[0].stop_ids, live=[seqs[0]])
         self.scheduler.add(seqs[0])
         self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
-                                             token_ids, seqs, stream)
+                                             token_ids, seqs, stream, keep)
         self.counters.prompt_tokens += num_prompt
         return request_id
 
@@ -161,7 +174,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns an output for each request that made progress."""
+        high = self.scheduler.watermarks.high * self.kv.num_blocks  # kept sessions give way first
+        self.sessions.release_while(lambda: self.kv.num_used_blocks > high)
         batch = self.scheduler.schedule()
+        while not batch and self.scheduler.has_work() and self.sessions.release_oldest():
+            batch = self.scheduler.schedule()
         self.counters.pauses += len(batch.paused)
         self.counters.preemptions += sum(1 for seq in batch.paused if seq.num_computed_tokens == 0)
         if not batch:
@@ -211,7 +228,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             seq.stats.replayed_tokens += replay.replayed_tokens(seq, start, start + chunk)
             if self.kv.dropped_blocks(seq.seq_id):
-                seq.stats.approx_tokens += chunk  # attended without its dropped ranges
+                seq.note_approx(start, chunk)  # attended without its dropped ranges
             seq.num_computed_tokens += chunk
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:
@@ -244,7 +261,7 @@ class LLMEngine:
                 self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
                 continue
             if self.kv.dropped_blocks(seq.seq_id):
-                seq.stats.approx_tokens += 1
+                seq.note_approx(seq.num_computed_tokens, 1)
             seq.num_computed_tokens += 1
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         logits, sampled = result.logits, result.sampled
@@ -282,14 +299,6 @@ class LLMEngine:
         seqs = batch.decodes + [seq for seq, _ in batch.prefills] + [seq for seq, _ in batch.layers]
         return all(seq.params.greedy and seq.params.logprobs is None and not seq.forks and seq.beam is None
                    for seq in seqs)
-
-    def _layered_work(self, start: int, end: int) -> int:
-        """Working bytes of a layered prefill of positions [start, end): the residual stream of
-        its tokens and one layer's K/V of every position before `end` (the scratch cache)."""
-        cfg, block_size = self.model_config, self.config.block_size
-        dtype_bytes = torch.finfo(self.config.torch_dtype).bits // 8
-        scratch = -(-end // block_size) * block_size * self.kv_bytes_per_token // cfg.num_layers
-        return (end - start) * cfg.hidden_size * dtype_bytes + scratch
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Start the waiting branches of each sequence that just finished its prompt: they share
@@ -331,8 +340,15 @@ class LLMEngine:
         seq.text = seq.text[:cut]
         return True
 
+    def release(self, request_id: str) -> bool:
+        """Free a kept session (`add_request(keep=True)`); False when none has that id."""
+        return self.sessions.release(request_id)
+
     def _end(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
+        keep = self.requests[seq.request_id].keep
+        self.scheduler.remove(seq, free=not keep)
+        if keep:
+            self.sessions.park(seq)
         if reason != "stop" or not seq.params.stop:
             self._detokenize(seq)
         self._finish(seq, reason)
@@ -377,8 +393,8 @@ class LLMEngine:
             expected = seq.layered.end if seq.layered is not None else seq.num_computed_tokens
             assert self.kv.num_slots(seq.seq_id) == expected, \
                 f"seq {seq.seq_id}: {self.kv.num_slots(seq.seq_id)} slots, {expected} expected"
-        for seq in self.scheduler.waiting:
+        for seq in [*self.scheduler.waiting, *self.sessions.sequences()]:  # waiting, paused or kept
             assert self.kv.num_slots(seq.seq_id) == seq.num_computed_tokens, \
-                f"waiting seq {seq.seq_id} holds {self.kv.num_slots(seq.seq_id)} slots"
-        if not self.requests:
+                f"waiting or kept seq {seq.seq_id} holds {self.kv.num_slots(seq.seq_id)} slots"
+        if not self.requests and not self.sessions:
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds blocks"

@@ -27,18 +27,21 @@ class NeedOutcome:
 
 
 class ReplayTracker:
-    def __init__(self, kv: KVManager, approx_prefill: bool = False, threshold: float = 0.65):
+    def __init__(self, kv: KVManager, approx_prefill: bool = False, threshold: float = 0.65,
+                 replayable: bool = True):
         self.kv = kv
         self.approx_prefill = approx_prefill  # prefill chunks attend to what is resident instead
+        self.replayable = replayable          # False: dropped means evicted for good (snapkv, h2o, window)
         self.threshold = threshold            # need share above which a dropped block comes back
         self.loader = None  # the session tier's TierLoader (engine/tier_loads.py), when one is on
 
     # ------------------------------------------------------------------ questions
     def wants_replay(self, seq: Sequence) -> bool:
         """Replay first: the detector asked, or a prefill chunk must see the dropped ranges
-        (a layered prefill computes its range whole: nothing before it is dropped)."""
+        (a layered prefill computes its range whole: nothing before it is dropped; a policy
+        that evicts for good attends to what is resident, as in a kept session's next round)."""
         return seq.replay.needed or (seq.num_uncomputed_tokens > 1 and not self.approx_prefill
-                                     and seq.layered is None
+                                     and self.replayable and seq.layered is None
                                      and bool(self.kv.dropped_blocks(seq.seq_id)))
 
     def replay_left(self, seq: Sequence) -> list[int]:
@@ -95,7 +98,8 @@ class ReplayTracker:
         if not seq.replay.active:
             seq.replay.active = True
             seq.stats.replays += 1
-        seq.replay.last_step = step
+        if seq.replay.needed:  # (one a prefill asked for is cut again when that prefill ends)
+            seq.replay.last_step = step
 
     def end(self, seq: Sequence) -> None:
         seq.replay.needed = seq.replay.active = False
@@ -105,6 +109,7 @@ class ReplayTracker:
         """`seq` was paused with `computed` tokens computed: what it recomputes up to there on
         resume is replay."""
         seq.replay.end = max(seq.replay.end, computed)
+        seq.approx_from = None  # whatever it recomputes is computed with everything before it
         self.end(seq)
         if self.loader is not None:
             self.loader.forget(seq)
@@ -126,10 +131,11 @@ class ReplayTracker:
         return fired
 
     def check_replayed(self, seq: Sequence, block_indices: list[int], num_tokens: int) -> int:
-        """A replay chunk of `seq` has written its K/V: compare each block with its fingerprint.
-        Returns the mismatches (then the caller recomputes the whole sequence)."""
+        """A replay chunk of `seq` has written its K/V: compare each block with its fingerprint
+        (not blocks from `approx_from` on: their dropped K/V were computed without some range,
+        the replay's are exact). Returns the mismatches (then the caller recomputes it all)."""
         seq.stats.replayed_tokens += num_tokens
-        mismatches = self.kv.finish_restore(seq.seq_id, block_indices, seq.token_ids)
+        mismatches = self.kv.finish_restore(seq.seq_id, block_indices, seq.token_ids, seq.approx_from)
         if mismatches:
             seq.stats.replay_mismatches += mismatches
             logger.warning("request %s: %d replayed block(s) failed the fingerprint check; "

@@ -14,6 +14,7 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]  # its branches (n > 1) or, for beam search, the live beams
     stream: bool
+    keep: bool = False  # park its sequence with its KV when it finishes (engine/sessions.py)
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:

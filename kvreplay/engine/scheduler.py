@@ -3,29 +3,23 @@ computes, and which pause when memory is short.
 
 Every step has a token budget and follows the same order:
 
-0. Reclaim: if this step's decodes would lift usage above the `high` watermark, pause the
-   cheapest victims (see `kvreplay.kv.policy`) until the running sequences' blocks are back
-   under `low` (hysteresis; kept heads of paused sequences count as reclaimed).
-1. Decodes of running sequences, oldest first. If the pool still cannot hold one, pause another
-   sequence at once (cheapest first; a paused sequence's pins as a last resort).
+0. Reclaim: if this step's decodes would lift usage above `high`, pause the cheapest victims
+   (`kvreplay.kv.policy`) until running blocks are under `low` (kept heads count as reclaimed).
+1. Decodes, oldest first; if one does not fit, pause the cheapest other sequence at once.
 2. Prefill chunks of running sequences (long prompts and replays continue where they left off).
-3. Admission, only in a step that paused nobody: paused sequences first (they resume with an
-   exact replay of their dropped range at the original positions), then new ones, while usage
-   after admitting stays under `admit`. A prefix-cache hit is adopted first and not recomputed.
+3. Admission, in a step that paused nobody: paused sequences first (an exact replay of their
+   range on resume), then new ones, while usage stays under `admit`; prefix hits are adopted.
 
 Dropping policies (window, replay) add two actions, each in a module of its own: reclaim
 (engine/reclaim.py) takes middle blocks out of the hot tier before anyone is paused, and a
 running sequence whose dropped ranges are needed replays them (engine/replay.py) before it
 decodes or prefills again; room for a replay is made by trimming or pausing *other* sequences.
 
-With `layered_prefill`, a prompt (or a resumed range) whose middle would be dropped right after
-its prefill is computed one layer at a time over its whole range instead of in token chunks:
-its middle starts out dropped and only its kept blocks, key-index slots and working memory count
-at admission. Each step hands it about a token budget's worth of layers.
+With `layered_prefill`, a prompt (or resumed range) whose middle would be dropped after its
+prefill is computed a few layers per step over its whole range: its middle starts out dropped
+and only its kept blocks, key-index slots and working memory count at admission.
 
-Pausing keeps the sequence's pinned head (protected span and sinks, `pause_mode="protected"`)
-or nothing (`"recompute"`, vLLM's recompute preemption). The KV manager does every block change;
-the scheduler only asks and then tells it what to do.
+A pause keeps the pinned head (protected span, sinks) or nothing; the KV manager moves blocks.
 """
 from __future__ import annotations
 
@@ -37,6 +31,7 @@ from kvreplay.engine.reclaim import Reclaimer
 from kvreplay.engine.replay import ReplayTracker
 from kvreplay.engine.sequence import LayeredPrefill, Sequence, SequenceStatus
 from kvreplay.kv import KVManager
+from kvreplay.kv.importance import prompt_chunk
 from kvreplay.kv.policy import POLICIES, KVPolicy, Watermarks, middle_block_range, pause_cost
 
 # A layered prefill cannot pick heavy hitters after the fact (the middle's K/V never exist for
@@ -97,12 +92,14 @@ class Scheduler:
         self.block_bytes = block_bytes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold)
+        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold, policy.keeps_key_index)
         self.reclaim = Reclaimer(kv, policy, self.replay, self.running, window_tokens, trim,
                                  heavy_tokens, trim_order, resident_ratio)
 
-    def add(self, seq: Sequence) -> None:
-        self.kv.add_sequence(seq.seq_id, seq.pinned_tokens)
+    def add(self, seq: Sequence, kept: bool = False) -> None:
+        """Queue a new sequence, or a kept one (engine/sessions.py) whose blocks the pool holds."""
+        if not kept:
+            self.kv.add_sequence(seq.seq_id, seq.pinned_tokens)
         self.waiting.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -115,13 +112,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues (finish or abort) and free its blocks."""
+    def remove(self, seq: Sequence, free: bool = True) -> None:
+        """Take a sequence out of the queues (finish or abort); free its blocks unless kept."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.seq_id)
+        if free:
+            self.kv.free(seq.seq_id)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
@@ -209,6 +207,8 @@ class Scheduler:
             committed += projected
             if seq.layered is not None:
                 budget -= self._schedule_layers(seq, budget, batch)
+            elif self.replay.wants_replay(seq):  # a kept session with dropped ranges (engine/sessions.py)
+                budget -= self._schedule_replay(seq, budget, batch)
             else:
                 budget -= self._schedule_prefill(seq, budget, batch)
         return batch
@@ -216,7 +216,8 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """The next prefill chunk of `seq` that fits the budget and the pool; tokens used."""
         cap = self.replay.prefill_cap(seq)  # (may move past a tail loaded from the session tier)
-        want = min(seq.num_uncomputed_tokens, budget, cap if cap is not None else budget)
+        want = prompt_chunk(seq.num_uncomputed_tokens,
+                            min(seq.num_uncomputed_tokens, budget, cap if cap is not None else budget))
         chunk = self._fit_chunk(seq, want)
         if chunk:
             batch.prefills.append((seq, chunk))
@@ -274,8 +275,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ dropped ranges
     def _schedule_replay(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
-        """Schedule the oldest run of `seq`'s dropped blocks (exact: everything before it is
-        resident). Blocks still in the prefix cache come back for free. Returns tokens used."""
+        """Schedule the oldest run of `seq`'s dropped blocks (exact: all before it is resident);
+        what the prefix cache holds comes back for free. Returns tokens used."""
         block_size = self.kv.block_size
         if not self.replay.restore_cached(seq, self.num_steps):
             return 0

@@ -71,6 +71,12 @@ class Sequence:
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
         self.layered: LayeredPrefill | None = None  # a layered prefill under way
+        self.approx_from: int | None = None  # first position computed without some dropped range
+
+    def note_approx(self, start: int, count: int) -> None:
+        """Positions [start, start + count) were computed attending without a dropped range."""
+        self.stats.approx_tokens += count
+        self.approx_from = start if self.approx_from is None else min(self.approx_from, start)
 
     @property
     def num_tokens(self) -> int:

@@ -200,10 +200,12 @@ class TierMoves:
         self.kv._note_peak()
         return True
 
-    def finish_restore(self, seq_id: int, block_indices: list[int], token_ids: list[int]) -> int:
+    def finish_restore(self, seq_id: int, block_indices: list[int], token_ids: list[int],
+                       unchecked_from: int | None = None) -> int:
         """The replay of `block_indices` has written their K/V: compare each with the
-        fingerprint taken at drop time, re-index it in the prefix cache, forget its index slot.
-        Returns the number of blocks whose fingerprint did not match."""
+        fingerprint taken at drop time (blocks holding positions from `unchecked_from` on
+        had approximate K/V then: not compared), re-index it in the prefix cache, forget its
+        index slot. Returns the number of blocks whose fingerprint did not match."""
         table, records = self.kv._tables[seq_id], self.records[seq_id]
         blocks = torch.tensor([table[i] for i in block_indices], device=self.kv.kv_caches[0].device)
         now = self.fingerprint(blocks).cpu()
@@ -211,7 +213,8 @@ class TierMoves:
         for index, fingerprint in zip(block_indices, now):
             before = records[index].fingerprint
             error = (fingerprint - before).abs().max() / before.abs().max().clamp_min(1e-6)
-            if error > self.kv.fingerprint_tolerance:
+            approximate = unchecked_from is not None and (index + 1) * self.kv.block_size > unchecked_from
+            if error > self.kv.fingerprint_tolerance and not approximate:
                 mismatches += 1
                 logger.warning("seq %d: replayed block %d differs from its fingerprint by %.3g "
                                "(tolerance %.3g)", seq_id, index, float(error), self.kv.fingerprint_tolerance)

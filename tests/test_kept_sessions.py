@@ -1,0 +1,114 @@
+"""Kept sessions (engine/sessions.py): a finished request keeps its KV as its policy left it and
+the next round extends it. Exact under `full`; SnapKV's evictions stay evicted; replay brings its
+dropped ranges back before the next round; kept sessions give way to waiting work; bad calls are
+clear errors. A tiny random Llama (conftest.py) on fp32, integrity checked after every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreplay import LLM, SamplingParams
+from kvreplay.kv.manager import DROPPED
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _llm(model: str, policy: str = "full", memory: str = "4MiB", **knobs) -> LLM:
+    return LLM(model=model, dtype="float32", kv_cache_memory=memory, policy=policy, window_tokens=64,
+               enable_prefix_caching=False, **knobs)
+
+
+def _tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check(engine) -> None:
+    engine.check_integrity()
+
+
+def _all(output) -> list[int]:
+    """A finished request's prompt and output tokens: what its next round extends."""
+    return output.prompt_token_ids + output.token_ids
+
+
+def _two_rounds(llm: LLM, first: list[int], follow: list[int]):
+    one = llm.generate(first, PARAMS, keep=True, on_step=_check)
+    two = llm.generate(_all(one) + follow, PARAMS, continues=[one.request_id], on_step=_check)
+    return one, two
+
+
+def test_full_continues_a_kept_round_exactly(tiny_model):
+    """Round 2 over the kept KV gives the tokens of the same prompt computed from scratch, and
+    computes only what round 1 had not."""
+    llm = _llm(tiny_model)
+    first, follow = _tokens(300, 1), _tokens(40, 2)
+    one, two = _two_rounds(llm, first, follow)
+    assert two.stats.prefix_hit_tokens == len(_all(one)) - 1  # the last sampled token had no K/V
+    assert one.stats.prefix_hit_tokens == 0 and one.stats.completion_tokens == 8  # its own counters
+    assert not llm.release(two.request_id)  # round 2 was not asked to keep its KV
+    fresh = llm.generate(_all(one) + follow, PARAMS, on_step=_check)
+    assert two.token_ids == fresh.token_ids
+    engine = llm.engine
+    assert not engine.sessions and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_snapkv_keeps_its_first_rounds_choice_and_replay_brings_its_middle_back(tiny_model):
+    """SnapKV chose its blocks for round 1: round 2 attends without what it evicted (no replay,
+    the holes stay). Replay dropped its middle too, and replays it before round 2's tokens."""
+    first, follow = _tokens(640, 3), _tokens(48, 4)
+    snap = _llm(tiny_model, "snapkv", resident_ratio=0.25)
+    one = snap.generate(first, PARAMS, keep=True, on_step=_check)
+    holes = [i for i, b in enumerate(snap.engine.kv.block_table(
+        snap.engine.sessions.sequences()[0].seq_id)) if b == DROPPED]
+    assert one.stats.dropped_tokens > 0 and holes
+    two = snap.generate(_all(one) + follow, PARAMS, continues=[one.request_id], keep=True,
+                        on_step=_check)
+    seq = snap.engine.sessions.sequences()[0]
+    table = snap.engine.kv.block_table(seq.seq_id)
+    assert all(table[i] == DROPPED for i in holes) and two.stats.replays == 0
+    assert snap.release(two.request_id) and not snap.release(two.request_id)
+
+    replay = _llm(tiny_model, "replay", resident_ratio=0.25, trim="prefill", replay_threshold=1.0,
+                  heavy_tokens=0)
+    one, two = _two_rounds(replay, first, follow)
+    assert one.stats.dropped_tokens > 0 and one.stats.replays == 0
+    assert two.stats.replays == 1 and two.stats.replayed_tokens == one.stats.dropped_tokens
+
+
+def test_kept_sessions_give_way_to_waiting_work(tiny_model):
+    """Kept sessions are released oldest first when the pool goes above the high watermark,
+    and when a new request could not run otherwise."""
+    llm = _llm(tiny_model, memory="1MiB")
+    capacity = llm.engine.kv.capacity_tokens
+    kept = [llm.generate(_tokens(300, 10 + i), PARAMS, keep=True, on_step=_check).request_id
+            for i in range(capacity // 300)]
+    assert kept[-1] in llm.engine.sessions and kept[0] not in llm.engine.sessions  # above high
+    big = llm.generate(_tokens(capacity - 300, 99), PARAMS, on_step=_check)
+    assert big.outputs[0].finish_reason == "length"
+    assert not llm.engine.sessions  # all released, for the big one
+    with pytest.raises(ValueError, match="no kept session"):
+        llm.generate(_tokens(400, 10), PARAMS, continues=[kept[0]])
+    for request_id in kept:
+        llm.release(request_id)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_bad_continuations_are_clear_errors_and_keep_the_session(tiny_model):
+    llm = _llm(tiny_model)
+    one = llm.generate(_tokens(100, 5), PARAMS, keep=True)
+    with pytest.raises(ValueError, match="no kept session"):
+        llm.generate(_all(one) + [5], PARAMS, continues=["nope"])
+    with pytest.raises(ValueError, match="does not extend"):
+        llm.generate(_tokens(120, 6), PARAMS, continues=[one.request_id])
+    with pytest.raises(ValueError, match="does not extend"):  # nothing new to compute
+        llm.generate(_all(one)[:-1], PARAMS, continues=[one.request_id])
+    with pytest.raises(ValueError, match="n=1"):
+        llm.generate(_all(one) + [5], SamplingParams(n=2, max_tokens=4), continues=[one.request_id])
+    with pytest.raises(ValueError, match="1 continues values for 2 prompts"):
+        llm.generate([[5, 6], [7, 8]], PARAMS, continues=[one.request_id])
+    assert one.request_id in llm.engine.sessions  # every refusal left it kept
+    two = llm.generate(_all(one) + [5, 6], PARAMS, continues=[one.request_id], on_step=_check)
+    assert two.stats.prefix_hit_tokens == len(_all(one)) - 1
+    with pytest.raises(ValueError, match="no kept session"):  # continued once already
+        llm.generate(_all(one) + [5, 6], PARAMS, continues=[one.request_id])
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
