@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.hub_cache import find_cached_model, is_repo_id
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,18 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
+    """The local path `model` names: None for the embedded model, a path, or a Hugging Face id
+    (Org/Name) found in the local Hugging Face cache (models/hub_cache.py; never downloaded)."""
     if model is None or model in ("default", DEFAULT_MODEL_FILE):
         return default_model_path()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
+        if is_repo_id(model):
+            return find_cached_model(model)
         raise ValueError(f"model path {model!r} does not exist; pass a .gguf file, a Hugging Face "
-                         "model directory (config.json + *.safetensors + tokenizer), or omit it "
-                         "for the embedded SmolLM2-135M-Instruct")
+                         "model directory (config.json + *.safetensors + tokenizer), a Hugging "
+                         "Face id in the local cache (Org/Name), or omit it for the embedded "
+                         "SmolLM2-135M-Instruct")
     return path
 
 
@@ -236,7 +242,8 @@ def _gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
     stat = os.stat(path)
     # "v2": caches from before the special tokens were checked against the file are rebuilt
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
+    # the file's real path: a Hugging Face snapshot links to its blob, shared by every snapshot
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
