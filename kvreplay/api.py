@@ -1,16 +1,21 @@
 """The Python API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
 from __future__ import annotations
 
+import logging
 import os
-from typing import Iterable, Sequence as Seq
+import time
+from typing import Iterable, Iterator, Sequence as Seq
 
 from kvreplay.config import EngineConfig
+from kvreplay.engine import step_log, summary
 from kvreplay.engine.llm_engine import LLMEngine
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 
 Message = dict[str, str]
 CHAT_ROLES = ("system", "user", "assistant")
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -34,8 +39,11 @@ class LLM:
             knobs["device"] = device
         self.config = EngineConfig(model=model, dtype=dtype,
                                    kv_cache_memory=kv_cache_memory, policy=policy, **knobs)
+        started = time.perf_counter()
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        for line in summary.describe(self.engine, time.perf_counter() - started):
+            logger.info(line)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -163,17 +171,22 @@ class LLM:
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         progress = None
-        if use_tqdm:
+        if use_tqdm:  # requests done, and the tokens generated so far (max_tokens=None can run long)
             from tqdm import tqdm
             progress = tqdm(total=len(pending), desc="generating", unit="req")
+            first_token = self.engine.counters.generation_tokens
         try:
             while pending:
-                for output in self.engine.step():
+                for output in step_log.step(self.engine):
                     if output.finished and output.request_id in pending:
                         results[output.request_id] = output
                         pending.discard(output.request_id)
                         if progress:
                             progress.update(1)
+                if progress:  # update(0) redraws when tqdm's interval has passed
+                    progress.set_postfix_str(
+                        f"{self.engine.counters.generation_tokens - first_token} tokens", refresh=False)
+                    progress.update(0)
                 if on_step is not None:
                     on_step(self.engine)
         except BaseException:

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,13 +100,25 @@ def read_model_config(model: str | None) -> ModelConfig:
 
 
 def load_model(model: str | None) -> LoadedModel:
+    """Weights and tokenizer of `model` (see resolve_model_path), logged as they load: a line
+    before, a progress bar over the tensors on a terminal, a line with the time taken."""
     path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return _load_hf_directory(path)
-    if path.endswith(".gguf"):
-        return _load_gguf(path)
-    raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
-                     "with config.json and *.safetensors")
+    if not os.path.isdir(path) and not path.endswith(".gguf"):
+        raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
+                         "with config.json and *.safetensors")
+    logger.info("loading %s", path)
+    started = time.perf_counter()
+    loaded = _load_hf_directory(path) if os.path.isdir(path) else _load_gguf(path)
+    num_bytes = sum(tensor.nbytes for tensor in loaded.weights.values())
+    logger.info("loaded %d tensors (%.0f MiB as float32) and the tokenizer in %.1f s",
+                len(loaded.weights), num_bytes / 2**20, time.perf_counter() - started)
+    return loaded
+
+
+def _progress(items, total: int, what: str):
+    """`items` with a progress bar on stderr, shown only when stderr is a terminal."""
+    from tqdm import tqdm
+    return tqdm(items, total=total, desc=f"loading {what}", unit=what, disable=None, leave=False)
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -124,7 +137,7 @@ def _load_hf_directory(path: str) -> LoadedModel:
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _progress(files, len(files), "shard"):
         for name, tensor in load_file(str(file)).items():
             weights[name] = tensor.float()
     return LoadedModel(config, weights, load_tokenizer(path), path)
@@ -181,7 +194,7 @@ def _load_gguf(path: str) -> LoadedModel:
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in _progress(reader.tensors, len(reader.tensors), "tensor"):
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
