@@ -105,6 +105,38 @@ class LLM:
                                 protected_tokens=protected, hot_from=hot_from)
         return outputs[0] if single else outputs
 
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               protected_tokens: int = 0, hot_from: int | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding its output after each step that added to it (the
+        text so far; `finished` on the last). The request is checked and queued at once (a bad
+        prompt raises here, not at the first step); closing the iterator early, or Ctrl-C while
+        it runs, aborts the request and frees its blocks."""
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params.check_token_ids(self.engine.model_config.vocab_size)
+        request_id = self.engine.add_request(prompt, params, stream=True,
+                                             protected_tokens=protected_tokens, hot_from=hot_from)
+        return self._follow(request_id)
+
+    def chat_stream(self, conversation: list[Message], params: SamplingParams | None = None,
+                    protect_system: bool = True) -> Iterator[RequestOutput]:
+        """`chat` for one conversation, streamed as `stream` streams (`kvreplay chat`)."""
+        return self.stream(self.chat_prompt_ids(conversation), params,
+                           self.system_span_tokens(conversation) if protect_system else 0,
+                           self.recent_rounds_start(conversation))
+
+    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                for output in step_log.step(self.engine):
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            if request_id in self.engine.requests:  # closed early: leave no blocks behind
+                self.engine.abort_request(request_id)
+
     def recent_rounds_start(self, conversation: list[Message], rounds: int | None = None) -> int | None:
         """First token of the conversation's last `rounds` rounds (a round starts at a user
         message; default: the engine's `hot_turns`), which the cold presets keep in full
