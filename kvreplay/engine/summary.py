@@ -54,7 +54,7 @@ def policy_knobs(engine) -> list[str]:
     if policy.name == "full":
         return knobs
     if policy.recent_tokens is not None:
-        knobs.append(f"recent {policy.recent_tokens} tokens")
+        knobs.append(f"recent {policy.recent_tokens} token{'s' if policy.recent_tokens != 1 else ''}")
     elif config.resident_ratio is not None and policy.recent_share is not None:
         knobs.append("window sized by resident_ratio")
     else:
