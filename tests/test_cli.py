@@ -33,9 +33,86 @@ def test_generate_json_and_chat_session(llm32):
     assert record["token_ids"] == expected.token_ids and record["text"] == expected.text
     assert record["kv"]["prompt_tokens"] == len(llm32.chat_prompt_ids(conversation))
 
+    # the startup summary (issue 39, item 7), and a progress bar for a batch or --json
+    for words in ("loading ", "ready in", "KV cache:", "blocks x 16 tokens", "bytes per token",
+                  "max concurrency at 8,192 tokens per request", "policy full: watermarks",
+                  "threads; compiled CPU kernels", "generating"):
+        assert words in result.stderr, (words, result.stderr[-3000:])
+
     session = _run("chat", "--max-tokens", "8", input="Hello!\n/reset\nName a color.\n\n")
     assert session.returncode == 0, session.stderr
     assert session.stdout.count("assistant> ") == 2
+    assert "(history cleared)" in session.stdout  # /reset confirms
+    assert session.stdout.count("[cut at --max-tokens 8]") >= 1, session.stdout
+
+
+def test_chat_streams_each_reply_as_it_is_made(llm32, monkeypatch):
+    """`kvreplay chat` writes a reply piece by piece as the engine makes it (the same text as
+    LLM.chat), then marks a reply cut by --max-tokens."""
+    from kvreplay import SamplingParams
+    from kvreplay.cli import build_parser
+    from kvreplay.commands import generate
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    lines = iter(["Tell me about the sea.", ""])
+    out = Recorder()
+    monkeypatch.setattr(generate, "_make_llm", lambda args: llm32)
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    monkeypatch.setattr("sys.stdout", out)
+    args = build_parser().parse_args(["chat", "--max-tokens", "24"])
+    assert args.func(args) == 0
+    start = out.writes.index("assistant> ") + 1
+    end = next(i for i, text in enumerate(out.writes) if "[cut at --max-tokens 24]" in text)
+    pieces = out.writes[start:end]
+    expected = llm32.chat([{"role": "user", "content": "Tell me about the sea."}],
+                          SamplingParams(max_tokens=24, temperature=0))
+    assert expected.finish_reason == "length"
+    assert "".join(pieces) == expected.text and len(pieces) >= 10, pieces
+
+
+def test_streamed_text_holds_back_what_a_stop_string_may_cut():
+    from kvreplay.commands.generate import _TextPrinter
+
+    class Out(list):
+        write, flush = list.append, lambda self: None
+    out = Out()
+    printer = _TextPrinter(["\n\nUser"], out)
+    printer.show("Hello")
+    printer.show("Hello\n\nUs")       # may be the start of the stop string: held back
+    printer.show("Hello\ufffd")       # a character still being decoded: held back
+    printer.show("Hello", final=True)  # the engine cut the text before the stop string
+    assert out == ["Hello"]
+    printer.show("Hello world", final=True)
+    assert out == ["Hello", " world"]
+
+
+def test_generate_by_hugging_face_id_streams_and_logs_each_step(tmp_path, llm32):
+    """--model Org/Name loads the snapshot from the local Hugging Face cache ($HF_HUB_CACHE, no
+    network); one prompt's text streams to stdout; -v logs a line per engine step."""
+    from kvreplay import SamplingParams
+    from test_hub_cache import REPO_ID, fake_hub_cache
+    from kvreplay.models.loader import default_model_path
+    snapshot = fake_hub_cache(tmp_path, default_model_path())
+    result = _run("-v", "generate", "The capital of France is", "--model", REPO_ID,
+                  "--max-tokens", "6", "--dtype", "float32", env={"HF_HUB_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = llm32.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0))
+    assert result.stdout == expected.text + "\n"
+    assert f"loading {snapshot}/SmolLM2-135M-Instruct.Q4_1.gguf" in result.stderr
+    assert "[cut at --max-tokens 6]" in result.stderr
+    steps = [line for line in result.stderr.splitlines() if "kvreplay.steps: step " in line]
+    assert len(steps) == 6, result.stderr[-3000:]
+    assert f"0 decode + 1 prefill ({len(expected.prompt_token_ids)} tokens)" in steps[0], steps[0]
+    assert "1 decode + 0 prefill (0 tokens), 1 sampled" in steps[1] and "KV 1/" in steps[1], steps[1]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -43,6 +120,7 @@ def test_generate_json_and_chat_session(llm32):
     (["generate", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
     (["generate", "hi", "--max-tokens", "-3"], "max_tokens must be"),
     (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
+    (["generate", "hi", "--model", "NoSuchOrg/no-such-model"], "is not in the Hugging Face cache (searched "),
     (["generate", "hi", "--kv-cache-memory", "many"], "cannot parse size"),
 ])
 def test_bad_input_is_one_clear_line(args, message):

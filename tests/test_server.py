@@ -64,7 +64,8 @@ def test_api_key_guards_every_route_but_health(server):
     plain = httpx.Client(base_url=server.base_url, timeout=30)
     assert plain.get("/health").json() == {"status": "ok"}
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/debug/kv"),
-                         ("POST", CHAT_PATH), ("POST", "/v1/completions")]:
+                         ("POST", CHAT_PATH), ("POST", "/v1/completions"), ("POST", "/v1/tokenize"),
+                         ("POST", "/v1/detokenize"), ("POST", "/tokenize")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             response = plain.request(method, path, headers=headers, json={"prompt": "x"})
             assert response.status_code == 401, (path, headers)
@@ -266,6 +267,86 @@ def test_bad_requests_leave_the_server_serving(server, client):
     assert reply.usage.completion_tokens == 2
     assert server.metric("kvreplay_requests_total", f'endpoint="{CHAT_PATH}",status="500"') == 0
     server.wait_kv_clean()
+
+
+# ---------------------------------------------------------------- startup line, tokenizer, version, docs
+
+def test_the_startup_log_states_the_kv_pool_policy_and_kernels(server):
+    log = server.log()
+    num_blocks = server.get("/debug/kv").json()["num_blocks"]
+    for words in ("ready in", f"KV cache: ", f"= {num_blocks:,} blocks x 16 tokens = "
+                  f"{num_blocks * 16:,} tokens, 46,080 bytes per token",  # fp32: 30 x 2 x 3 x 64 x 4
+                  f"max concurrency at 8,192 tokens per request: {num_blocks / 512:.2f}x",
+                  "policy full: watermarks 0.6/0.7/0.85", "threads; compiled CPU kernels"):
+        assert words in log, (words, log[-3000:])
+
+
+def test_tokenize_counts_what_generation_queues(server, client):
+    chat = server.post("/v1/tokenize", json={"messages": CHAT}).json()
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1)
+    assert chat["count"] == len(chat["tokens"]) == reply.usage.prompt_tokens
+    assert chat["max_model_len"] == 8192
+    text = server.post("/v1/tokenize", json={"prompt": PROMPT, "model": "tiny"}).json()
+    completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
+    assert text["count"] == completion.usage.prompt_tokens
+    assert server.post("/tokenize", json={"prompt": PROMPT}).json() == text  # vLLM's path too
+    bare = server.post("/v1/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert server.post("/v1/detokenize", json={"tokens": bare["tokens"]}).json() == {"prompt": PROMPT}
+    # the chat template's text, its special tokens included; without the assistant's header
+    shown = server.post("/v1/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "<|im_start|>user\nName three colors.<|im_end|>" in shown
+    assert shown.endswith("<|im_start|>assistant\n")
+    no_header = server.post("/v1/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
+    assert no_header.json()["count"] < chat["count"]
+
+
+BAD_TOKENIZE = [
+    ("/v1/tokenize", {}, 400, "either 'prompt'"),
+    ("/v1/tokenize", {"prompt": PROMPT, "messages": CHAT}, 400, "not both"),
+    ("/v1/tokenize", {"prompt": 42}, 400, "prompt"),
+    ("/v1/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/tokenize", {"messages": []}, 400, "messages"),
+    ("/v1/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/tokenize", {"prompt": PROMPT, "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/v1/tokenize", {"prompt": PROMPT, "temperature": 1}, 400, "temperature"),
+    ("/v1/tokenize", {"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/tokenize", {"prompt": "hello " * 30000}, 400, "max_prompt_bytes"),
+    ("/v1/detokenize", {}, 400, "tokens"),
+    ("/v1/detokenize", {"tokens": "hello"}, 400, "tokens"),
+    ("/v1/detokenize", {"tokens": [1, True]}, 400, "tokens"),
+    ("/v1/detokenize", {"tokens": [-1]}, 400, "token ids must be in [0, 49152)"),
+    ("/v1/detokenize", {"tokens": [10 ** 9]}, 400, "token ids must be in [0, 49152)"),
+    ("/v1/detokenize", {"tokens": [1.5]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD_TOKENIZE)
+def test_bad_tokenizer_requests_get_4xx_in_openai_shape(server, path, body, status, words):
+    response = server.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error", error
+
+
+def test_tokenizer_routes_refuse_raw_garbage_and_keep_serving(server):
+    for path in ("/v1/tokenize", "/v1/detokenize"):
+        for raw in [b"not json", b"[1, 2]", b"\xff\xfe"]:
+            assert server.post(path, content=raw).status_code == 400
+        assert server.post(path, content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}').status_code == 413
+        assert server.get(path).status_code == 405
+    assert server.post("/v1/tokenize", json={"prompt": "ok"}).json()["count"] >= 1
+    assert server.metric("kvreplay_requests_total", f'endpoint="{CHAT_PATH}",status="500"') == 0
+
+
+def test_version_and_docs_are_served_without_the_key(server):
+    plain = httpx.Client(base_url=server.base_url, timeout=30)
+    import kvreplay
+    assert plain.get("/version").json() == {"version": kvreplay.__version__}
+    page = plain.get("/docs")
+    assert page.status_code == 200 and "swagger-ui" in page.text
+    schema = plain.get("/openapi.json").json()
+    assert {"/v1/tokenize", "/v1/detokenize", "/v1/chat/completions", "/version"} <= set(schema["paths"])
+    assert schema["info"]["version"] == kvreplay.__version__
 
 
 # ---------------------------------------------------------------- disconnects and admission

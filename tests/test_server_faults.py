@@ -35,7 +35,7 @@ def server():
     proc = ServerProcess("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
                          "--max-seqs-per-request", str(MAX_SEQS_PER_REQUEST),
                          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
-                         kv_cache_memory="160MiB", api_key=API_KEY)
+                         "--no-docs", kv_cache_memory="160MiB", api_key=API_KEY)
     try:
         proc.wait_healthy()
         yield proc
@@ -207,6 +207,15 @@ def test_metrics_public_opens_metrics_only(server):
 def test_bad_values_get_messages_that_name_them(server, path, body, words):
     error = _assert_openai_error(server.post(path, json=body), 400, "invalid_request_error")
     assert words in error["message"], error
+
+
+def test_no_docs_turns_the_openapi_docs_off(server):
+    """--no-docs: /docs and /openapi.json are neither open nor served (/version still is)."""
+    plain = httpx.Client(base_url=server.base_url, timeout=30)
+    for path in ("/docs", "/openapi.json"):
+        assert plain.get(path).status_code == 401  # no longer an open path
+        _assert_openai_error(server.get(path), 404, "invalid_request_error")
+    assert plain.get("/version").status_code == 200
 
 
 def test_the_largest_seed_is_served(server):

@@ -25,7 +25,9 @@ def _sampling_params(args):
 def register(subparsers) -> None:
     from kvreplay.commands.flags import add_engine_args
     gen = subparsers.add_parser("generate", help="generate a completion for a prompt",
-                                description="Generate text for one or more prompts and print it.")
+                                description="Generate text for one or more prompts and print it: "
+                                            "one prompt's text streams as it is made; several "
+                                            "prompts (or --json) show a progress bar on stderr.")
     gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -44,37 +46,86 @@ def register(subparsers) -> None:
 
 
 def _make_llm(args):
+    """The LLM the engine flags describe; it logs its loading and the startup summary."""
     from kvreplay.api import LLM
     from kvreplay.commands.flags import engine_config_from_args
     config = engine_config_from_args(args)
-    print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     return LLM(**{k: getattr(config, k) for k in config.__dataclass_fields__})
+
+
+class _TextPrinter:
+    """Writes a reply as it grows. Holds back what may still change: a trailing U+FFFD (a
+    character whose bytes have not all been decoded yet) and a tail that could begin a stop
+    string (the engine cuts the text before a stop string once all of it has come)."""
+
+    def __init__(self, stop: list[str], out=None):
+        self.stop, self.out = stop, out if out is not None else sys.stdout
+        self.num_shown = 0
+
+    def show(self, text: str, final: bool = False) -> None:
+        if not final:
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - max((k for s in self.stop for k in range(1, len(s))
+                                          if text.endswith(s[:k])), default=0)]
+        if len(text) > self.num_shown:
+            self.out.write(text[self.num_shown:])
+            self.out.flush()
+            self.num_shown = len(text)
+
+
+def _stream(outputs, printer: _TextPrinter):
+    """Print each output's text as it grows; returns the last completion."""
+    completion = None
+    for output in outputs:
+        completion = output.outputs[0]
+        printer.show(completion.text, final=output.finished)
+    return completion
+
+
+def _cut_note(completion, max_tokens: int) -> str:
+    """Why a reply ended early, or "" when it ended on its own."""
+    if completion.finish_reason != "length":
+        return ""
+    if len(completion.token_ids) >= max_tokens:
+        return f"[cut at --max-tokens {max_tokens}]"
+    return "[cut: the context is full]"
 
 
 def run_generate(args) -> int:
     params = _sampling_params(args)
     llm = _make_llm(args)
-    if args.chat:
-        system = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if len(args.prompt) == 1 and not args.json:  # one prompt: its text streams as it is made
+        prompt = args.prompt[0]
+        outputs = (llm.chat_stream(system + [{"role": "user", "content": prompt}], params)
+                   if args.chat else llm.stream(prompt, params))
+        completion = _stream(outputs, _TextPrinter(params.stop))
+        print()
+        note = _cut_note(completion, params.max_tokens)
+        if note:
+            print(note, file=sys.stderr)
+        return 0
+    if args.chat:  # a progress bar on stderr counts requests and tokens
         outputs = llm.chat([system + [{"role": "user", "content": p}] for p in args.prompt], params,
-                           use_tqdm=len(args.prompt) > 1)
+                           use_tqdm=True)
     else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+        outputs = llm.generate(args.prompt, params, use_tqdm=True)
     for prompt, out in zip(args.prompt, outputs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "kv": out.stats.as_dict()}))
         else:
-            print(out.text if len(args.prompt) == 1 else f"### {prompt}\n{out.text}\n")
+            print(f"### {prompt}\n{out.text}\n")
     return 0
 
 
 def run_chat(args) -> int:
     params = _sampling_params(args)
     llm = _make_llm(args)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    base = list(history)
-    print("kvreplay chat: empty line or Ctrl-D quits, /reset clears history", file=sys.stderr)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    print("kvreplay chat: empty line or Ctrl-D quits, /reset clears the history, Ctrl-C stops a "
+          "reply", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
@@ -85,13 +136,26 @@ def run_chat(args) -> int:
             return 0
         if line.strip() == "/reset":
             history = list(base)
+            print("(history cleared" + ("; the system message stays)" if base else ")"))
             continue
         history.append({"role": "user", "content": line})
         try:
-            out = llm.chat(history, params)
+            outputs = llm.chat_stream(history, params)
         except ValueError as exc:  # e.g. the history outgrew the context
             print(f"error: {exc}", file=sys.stderr)
             history.pop()
             continue
-        print(f"assistant> {out.text}")
-        history.append({"role": "assistant", "content": out.text})
+        print("assistant> ", end="", flush=True)
+        printer = _TextPrinter(params.stop)
+        try:
+            completion = _stream(outputs, printer)
+            note = _cut_note(completion, params.max_tokens)
+            text = completion.text
+        except KeyboardInterrupt:  # stop this reply, keep the chat
+            outputs.close()
+            note, text = "[stopped]", None
+        print(f" {note}" if note else "")
+        if text is None:
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": text})

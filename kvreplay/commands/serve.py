@@ -11,7 +11,8 @@ def register(subparsers) -> None:
     serve = subparsers.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve POST /v1/chat/completions and /v1/completions (streamed or not), "
-                    "GET /v1/models, /health and /metrics. Binds 127.0.0.1 unless --host says "
+                    "/v1/tokenize and /v1/detokenize, GET /v1/models, /health, /version, "
+                    "/metrics and the OpenAPI docs at /docs. Binds 127.0.0.1 unless --host says "
                     "otherwise; Ctrl-C or SIGTERM finishes in-flight requests and exits.")
     group = serve.add_argument_group("server")
     add_flags(group, ServerConfig)

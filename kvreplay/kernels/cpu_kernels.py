@@ -33,6 +33,7 @@ import logging
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ _EXTENSIONS = {
 }
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+_SLOW_LOAD_S = 2.0  # a load taking longer than this was a build
 
 
 def enabled() -> bool:
@@ -122,6 +124,12 @@ def prefill_attention(only_where_faster: bool = True) -> Any | None:
 def layer_ops() -> Any | None:
     """`torch.ops.kvreplay_layer` (add_rms_norm, rope_write_cache), or None as above."""
     return _load("layer_ops")
+
+
+def loaded() -> list[str]:
+    """The extensions built and loaded in this process so far (for the startup summary)."""
+    with _lock:
+        return [name for name, ops in _state.items() if ops is not None]
 
 
 def _load(name: str) -> Any | None:
@@ -194,12 +202,23 @@ def _build(name: str) -> Any | None:
     try:
         from torch.utils.cpp_extension import load
         module = build_name(name)
-        if not _is_built(module):  # a silent half-minute pause would look like a hang
-            print(f"kvreplay: compiling the CPU {name.replace('_', ' ')} kernel (first use on this "
-                  "machine, ~30-60 s; KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
+        label = f"the CPU {name.replace('_', ' ')} kernel"
+        announced = not _is_built(module)
+        if announced:  # a silent half-minute pause would look like a hang
+            print(f"kvreplay: compiling {label} (first use on this machine, ~30-60 s; "
+                  "KVREPLAY_CPU_KERNELS=0 skips it)", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         with _build_lock(module):
             load(name=module, sources=[str(CSRC / filename) for filename in sources], is_python_module=False,
                  extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
+        elapsed = time.perf_counter() - started
+        # A cached build loads in well under a second; longer means torch compiled it (also
+        # unannounced: another checkout's build in the same folder, see build_name)
+        if announced or elapsed > _SLOW_LOAD_S:
+            print(f"kvreplay: {label} {'compiled' if announced else 'built or loaded'} in "
+                  f"{elapsed:.1f} s", file=sys.stderr, flush=True)
+        else:
+            log.debug("%s loaded from its cached build in %.2f s", label, elapsed)
         return getattr(torch.ops, namespace)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the PyTorch path works
         log.warning("CPU %s kernel unavailable (%s: %s); using the PyTorch path", name,

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.hub_cache import find_cached_model, is_repo_id
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -71,13 +73,18 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
+    """The local path `model` names: None for the embedded model, a path, or a Hugging Face id
+    (Org/Name) found in the local Hugging Face cache (models/hub_cache.py; never downloaded)."""
     if model is None or model in ("default", DEFAULT_MODEL_FILE):
         return default_model_path()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
+        if is_repo_id(model):
+            return find_cached_model(model)
         raise ValueError(f"model path {model!r} does not exist; pass a .gguf file, a Hugging Face "
-                         "model directory (config.json + *.safetensors + tokenizer), or omit it "
-                         "for the embedded SmolLM2-135M-Instruct")
+                         "model directory (config.json + *.safetensors + tokenizer), a Hugging "
+                         "Face id in the local cache (Org/Name), or omit it for the embedded "
+                         "SmolLM2-135M-Instruct")
     return path
 
 
@@ -93,13 +100,25 @@ def read_model_config(model: str | None) -> ModelConfig:
 
 
 def load_model(model: str | None) -> LoadedModel:
+    """Weights and tokenizer of `model` (see resolve_model_path), logged as they load: a line
+    before, a progress bar over the tensors on a terminal, a line with the time taken."""
     path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return _load_hf_directory(path)
-    if path.endswith(".gguf"):
-        return _load_gguf(path)
-    raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
-                     "with config.json and *.safetensors")
+    if not os.path.isdir(path) and not path.endswith(".gguf"):
+        raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
+                         "with config.json and *.safetensors")
+    logger.info("loading %s", path)
+    started = time.perf_counter()
+    loaded = _load_hf_directory(path) if os.path.isdir(path) else _load_gguf(path)
+    num_bytes = sum(tensor.nbytes for tensor in loaded.weights.values())
+    logger.info("loaded %d tensors (%.0f MiB as float32) and the tokenizer in %.1f s",
+                len(loaded.weights), num_bytes / 2**20, time.perf_counter() - started)
+    return loaded
+
+
+def _progress(items, total: int, what: str):
+    """`items` with a progress bar on stderr, shown only when stderr is a terminal."""
+    from tqdm import tqdm
+    return tqdm(items, total=total, desc=f"loading {what}", unit=what, disable=None, leave=False)
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -118,7 +137,7 @@ def _load_hf_directory(path: str) -> LoadedModel:
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _progress(files, len(files), "shard"):
         for name, tensor in load_file(str(file)).items():
             weights[name] = tensor.float()
     return LoadedModel(config, weights, load_tokenizer(path), path)
@@ -175,7 +194,7 @@ def _load_gguf(path: str) -> LoadedModel:
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in _progress(reader.tensors, len(reader.tensors), "tensor"):
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
@@ -236,7 +255,8 @@ def _gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
     stat = os.stat(path)
     # "v2": caches from before the special tokens were checked against the file are rebuilt
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
+    # the file's real path: a Hugging Face snapshot links to its blob, shared by every snapshot
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:

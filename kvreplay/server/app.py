@@ -1,5 +1,6 @@
 """The FastAPI app: auth, errors in the OpenAI shape, and the small routes (models, health,
-metrics, debug). The generation endpoints live in `completions.py`."""
+version, metrics, debug). The generation endpoints live in `completions.py`, the tokenizer's in
+`tokenize.py`; FastAPI serves the OpenAPI docs at /docs unless `--no-docs`."""
 from __future__ import annotations
 
 import contextlib
@@ -12,22 +13,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvreplay import __version__
 from kvreplay.server.async_engine import AsyncEngine
 from kvreplay.server.completions import router
 from kvreplay.server.config import ServerConfig
 from kvreplay.server.formatting import TokenFormatter, error_body
 from kvreplay.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvreplay.server.state import ApiError, ServerState
+from kvreplay.server.tokenize import router as tokenize_router
 
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")  # FastAPI's Swagger UI and schema
 
 
 class _Gatekeeper:
-    """Pure ASGI middleware, outermost: checks the API key (all routes but /health, and /metrics
-    with metrics_public) and counts generation responses by status for /metrics (streams count
-    when their headers go out).
+    """Pure ASGI middleware, outermost: checks the API key (all routes but /health, /version, the
+    docs, and /metrics with metrics_public) and counts generation responses by status for
+    /metrics (streams count when their headers go out).
 
     The key comes as `Authorization: Bearer KEY`, the scheme in any case (RFC 9110). With a key
     set, a request with more than one Authorization header gets 400: which one would count is
@@ -36,7 +40,11 @@ class _Gatekeeper:
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
         self.app = app
         self.key = config.api_key.encode() if config.api_key else None
-        self.open_paths = {"/health", "/metrics"} if config.metrics_public else {"/health"}
+        self.open_paths = {"/health", "/version"}
+        if config.metrics_public:
+            self.open_paths.add("/metrics")
+        if config.docs:
+            self.open_paths.update(DOCS_PATHS)
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
@@ -81,14 +89,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="kvreplay", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="kvreplay", version=__version__, lifespan=lifespan, redoc_url=None,
+                  description="OpenAI-compatible server of kvreplay (docs/architecture.md §7)",
+                  docs_url="/docs" if config.docs else None,
+                  openapi_url="/openapi.json" if config.docs else None)
     app.state.server = ServerState(config, engine, metrics, TokenFormatter(engine.llm.tokenizer),
                                    int(time.time()))
     app.add_middleware(_Gatekeeper, config=config, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, config)
     app.include_router(router)
+    app.include_router(tokenize_router)
     return app
 
 
@@ -134,6 +145,11 @@ def _add_routes(app: FastAPI, config: ServerConfig) -> None:
         state: ServerState = request.app.state.server
         state.check_model(model)
         return model_card(state)
+
+    @app.get("/version")
+    async def version():
+        """The kvreplay version serving (no API key needed)."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics(request: Request):

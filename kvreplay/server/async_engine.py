@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvreplay.api import LLM
+from kvreplay.engine import step_log
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 from kvreplay.server.generation import (EngineSnapshot, EngineUnavailableError, Generation,
@@ -226,7 +227,7 @@ class AsyncEngine:
                 self._run_jobs(wait=not self.engine.has_unfinished_requests())
                 if self._stop_requested or not self.engine.has_unfinished_requests():
                     continue
-                self._deliver(self.engine.step())
+                self._deliver(step_log.step(self.engine))
         except BaseException as exc:  # a bug, not user input: fail loudly, keep the process up
             logger.exception("the engine loop failed; the server now answers 503")
             self.failure = exc

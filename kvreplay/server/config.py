@@ -4,9 +4,11 @@ them (kvreplay.commands.flags)."""
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvreplay.models.hub_cache import is_repo_id
 from kvreplay.validate import boolean, check_knobs, ints, knob, knob_docs, numbers
 
 DEFAULT_MODEL_NAME = "kvreplay-default"
@@ -36,11 +38,13 @@ class ServerConfig:
     port: int = knob(8000, "TCP port (0: any free one)", check=ints(0, 65535))
     served_model_name: str = knob(
         DEFAULT_MODEL_NAME, "the model id clients name in requests and see in /v1/models",
-        cli_default=None, default_help=f"{DEFAULT_MODEL_NAME}, or the stem of --model",
+        cli_default=None,
+        default_help=f"{DEFAULT_MODEL_NAME}, or --model: a Hugging Face id as given, a path's stem",
         check=_non_empty_name)
     api_key: str | None = knob(
-        None, "when set, every route but /health needs 'Authorization: Bearer KEY' (the scheme "
-              "in any case; a request with several Authorization headers gets 400)",
+        None, "when set, every route but /health, /version and the docs needs 'Authorization: "
+              "Bearer KEY' (the scheme in any case; a request with several Authorization headers "
+              "gets 400)",
         default_help=f"${API_KEY_ENV} for the flag, else no key", check=_real_key)
     max_queued_seqs: int = knob(
         256, "sequences (prompts x n) admitted and unfinished at most; beyond it requests get "
@@ -62,6 +66,10 @@ class ServerConfig:
         flag="--shutdown-timeout", check=numbers(0))
     debug_endpoints: bool = knob(
         False, "serve GET /debug/kv (KV pool state and an integrity check)", check=boolean)
+    docs: bool = knob(
+        True, "serve the OpenAPI docs: Swagger UI at /docs and the schema at /openapi.json, "
+              "without the API key (a browser sends none; they describe the routes and run "
+              "nothing)", flag="--no-docs", check=boolean)
     metrics_public: bool = knob(
         False, "serve GET /metrics without the API key (for Prometheus scrapers); every other "
                "route but /health still needs it", check=boolean)
@@ -80,5 +88,10 @@ class ServerConfig:
 
 
 def model_name_for(model: str | None) -> str:
-    """The default served name: the file or folder stem of `--model`, else kvreplay-default."""
-    return Path(model.rstrip("/")).stem if model else DEFAULT_MODEL_NAME
+    """The default served name: a Hugging Face id as given (Org/Name, found in the local cache),
+    else the file or folder stem of `--model`, else kvreplay-default."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    if is_repo_id(model) and not os.path.exists(os.path.expanduser(model)):
+        return model
+    return Path(model.rstrip("/")).stem

@@ -62,7 +62,34 @@ class PromptPreparer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._prepare_all, prompts, chat)
 
+    async def tokenize(self, prompt: str | list[dict[str, str]], add_special_tokens: bool,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a text, or of a conversation rendered by the chat template, made on
+        the tokenizing thread (after check_sizes); with the defaults for a conversation
+        (add_special_tokens False, add_generation_prompt True) the ids a chat completion gets."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._tokenize, prompt, add_special_tokens,
+                                          add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included, made on the tokenizing thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._llm.tokenizer.decode, token_ids)
+
     # ------------------------------------------------------------------ tokenizing thread
+    def _tokenize(self, prompt, add_special_tokens: bool, add_generation_prompt: bool) -> list[int]:
+        tokenizer = self._llm.tokenizer
+        if isinstance(prompt, str):
+            return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        try:
+            if add_generation_prompt and not add_special_tokens:
+                return self._llm.chat_prompt_ids(prompt)
+            text = tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+
     def _prepare_all(self, prompts: list, chat: bool) -> list[PreparedPrompt]:
         return [self._prepare_chat(prompt) if chat else self._prepare_text(prompt) for prompt in prompts]
 
@@ -91,7 +118,8 @@ class PromptPreparer:
 def _private_view(llm):
     """A shallow copy of `llm` (and of its engine) whose tokenizer is a private deep copy: the
     tokenizing thread calls only its tokenizing methods (chat_prompt_ids, system_span_tokens,
-    recent_rounds_start, engine.tokenize), which read nothing the engine thread changes."""
+    recent_rounds_start, engine.tokenize) and the private tokenizer itself (/v1/tokenize,
+    /v1/detokenize), which read nothing the engine thread changes."""
     tokenizer = copy.deepcopy(llm.tokenizer)
     engine = copy.copy(llm.engine)
     engine.tokenizer = tokenizer

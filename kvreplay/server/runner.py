@@ -56,8 +56,6 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bool = False) -> None:
-    print(f"loading {engine_config.model or 'the embedded SmolLM2-135M-Instruct'} ...",
-          file=sys.stderr)
     llm = LLM(**{name: getattr(engine_config, name) for name in engine_config.__dataclass_fields__})
     engine = AsyncEngine(llm, max_queued_seqs=config.max_queued_seqs,
                          max_seqs_per_request=config.max_seqs_per_request,
