@@ -11,6 +11,7 @@ from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
 from kvreplay.engine.counters import EngineCounters
+from kvreplay.engine.grammar import Grammars
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request, prompt_token_ids
@@ -77,6 +78,7 @@ class LLMEngine:
                                   select_hot=self.scheduler.reclaim.attention_selection
                                   if config.kv_policy.selects_per_step else None)
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
@@ -113,6 +115,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self.grammars.matcher(params.response_format) if params.response_format else None
         seqs = []
         for branch in range(params.n):
             generator = None
@@ -123,6 +126,7 @@ class LLMEngine:
             seq.max_tokens = max_tokens
             seq.pinned_tokens = min(num_prompt, max(protected_tokens, self.config.sink_tokens))
             seq.hot_from = hot_from
+            seq.grammar = grammar.deep_copy() if grammar is not None else None  # one per branch
             seqs.append(seq)
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
@@ -258,6 +262,9 @@ class LLMEngine:
                 touched: dict[str, Request]) -> None:
         """Pick each row's next token (given already when `greedy`), with its logprobs."""
         params = [seq.params for seq in sampled]
+        constrained = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
+        if constrained:  # never with `greedy`: a constrained row needs its logits
+            self.grammars.mask(logits, constrained, [sampled[row].grammar for row in constrained])
         tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
         chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -277,11 +284,11 @@ class LLMEngine:
     @staticmethod
     def _argmax_only(batch: ScheduledBatch) -> bool:
         """Whether every sequence that may sample this step takes the plain greedy token
-        (temperature 0, no logprobs, no forks or beams): then the model hands back the tokens
-        instead of logits."""
+        (temperature 0, no logprobs, no forks, beams or grammar): then the model hands back the
+        tokens instead of logits."""
         seqs = batch.decodes + [seq for seq, _ in batch.prefills] + [seq for seq, _ in batch.layers]
         return all(seq.params.greedy and seq.params.logprobs is None and not seq.forks and seq.beam is None
-                   for seq in seqs)
+                   and seq.grammar is None for seq in seqs)
 
     def _layered_work(self, start: int, end: int) -> int:
         """Working bytes of a layered prefill of positions [start, end): the residual stream of
@@ -316,6 +323,8 @@ class LLMEngine:
             self._detokenize(seq)
             if self._hit_stop_string(seq):
                 return self._end(seq, "stop")
+        if seq.grammar is not None and self.grammars.accept(seq.grammar, token):
+            return self._end(seq, "stop")  # the JSON value is complete (or EOS ended it)
         if token in seq.stop_ids:
             return self._end(seq, "stop")
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -341,6 +350,7 @@ class LLMEngine:
     def _finish(seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.grammar = None  # an aborted or finished request keeps no grammar state
 
     # ------------------------------------------------------------------ beam search's host (beam.BeamHost)
     def request_of(self, seq: Sequence) -> Request:

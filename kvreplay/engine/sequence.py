@@ -71,6 +71,8 @@ class Sequence:
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
         self.layered: LayeredPrefill | None = None  # a layered prefill under way
+        self.grammar = None  # structured output: its llguidance matcher (engine/grammar.py), dropped
+                             # when the sequence finishes
 
     @property
     def num_tokens(self) -> int:
