@@ -16,6 +16,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from kvreplay.engine.grammar import grammar_of
+
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -54,7 +56,9 @@ def tool_response_format(tools: list[dict], tool_choice) -> dict | None:
                                "arguments": function.get("parameters") or {"type": "object"}}}
                for function in chosen]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+    grammar_of(response_format)  # a tool's parameters that cannot be enforced: ValueError
+    return response_format
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
