@@ -13,12 +13,13 @@ from server_process import ServerProcess
 pytestmark = pytest.mark.slow
 
 CHAT_PATH = "/v1/chat/completions"
-SYSTEM = {"role": "system", "content": "You answer every request with one short JSON object and nothing else."}
-PERSON = {"type": "object", "required": ["name", "age"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+SYSTEM = {"role": "system", "content": 'Reply only with a compact JSON object, such as {"title": "Dune", '
+                                      '"year": 1965}. Keep every value under five words.'}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}}}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                          "parameters": {"type": "object", "required": ["city"],
-                                                        "properties": {"city": {"type": "string"}}}}}
+                                                        "properties": {"city": {"type": "string", "maxLength": 40}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +39,12 @@ def client(server):
 
 def test_chat_json_object_and_schema(client):
     reply = client.chat.completions.create(
-        model="x", messages=[SYSTEM, {"role": "user", "content": "Describe a cat."}], max_tokens=96,
+        model="x", messages=[SYSTEM, {"role": "user", "content": "Describe a cat in JSON."}], max_tokens=96,
         temperature=0, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
     reply = client.chat.completions.create(
-        model="x", messages=[SYSTEM, {"role": "user", "content": "Describe a person."}], max_tokens=64,
+        model="x", messages=[SYSTEM, {"role": "user", "content": "Describe a fictional person in JSON."}], max_tokens=64,
         temperature=0, response_format={"type": "json_schema",
                                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     assert set(PERSON["required"]) <= set(json.loads(reply.choices[0].message.content))

@@ -15,12 +15,13 @@ from kvreplay.sampling import apply_token_bitmask, check_response_format
 from kvreplay.server.tools import parse_tool_calls, tool_response_format
 
 JSON_OBJECT = {"type": "json_object"}
-PERSON = {"type": "object", "required": ["name", "age", "city"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                         "city": {"type": "string"}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+                         "city": {"type": "string", "maxLength": 40}}}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-SYSTEM = "You answer every request with one short JSON object and nothing else."
-QUESTIONS = ["Describe a fictional person.", "Describe the weather in Paris.", "Describe a cat."]
+SYSTEM = ('Reply only with a compact JSON object, such as {"title": "Dune", "year": 1965}. Keep every '
+          'value under five words.')  # bench/structured_output.py's
+QUESTIONS = ["Describe a cat in JSON.", "Describe a song in JSON.", "Describe a movie in JSON."]
 FREE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -38,7 +39,7 @@ def test_json_mode_returns_valid_json(llm32):
 
 
 def test_json_schema_keeps_required_keys_and_types(llm32):
-    output = llm32.chat(_chat("Describe the winner of a race."),
+    output = llm32.chat(_chat("Describe a fictional person in JSON."),
                         SamplingParams(max_tokens=64, temperature=0, response_format=PERSON_FORMAT))
     value = json.loads(output.outputs[0].text)
     assert set(PERSON["required"]) <= set(value)
