@@ -24,7 +24,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess()
+    proc = ServerProcess("--served-model-name", "x")
     try:
         proc.wait_healthy()
         yield proc
@@ -59,7 +59,7 @@ def test_completions_json_schema_streamed(client):
 
 
 @pytest.mark.parametrize("response_format, message", [
-    ("json", "must be an object"),
+    ("json", "should be an object"),
     ({"type": "yaml"}, "response_format.type must be one of"),
     ({"type": "json_schema"}, "response_format.json_schema must be an object"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type"),
