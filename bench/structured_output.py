@@ -29,9 +29,10 @@ TOPICS = ["a fictional person", "the weather in Paris", "two fruits and their co
           "a cat", "a car for sale", "a city trip plan", "a cooking recipe", "a football match result",
           "a laptop's specifications", "a movie", "a planet", "a song", "a user account", "a pizza order",
           "a flight booking", "a company", "a tree", "a bank transfer", "a museum visit"]
-SCHEMA = {"type": "object", "required": ["name", "category", "summary"],
-          "properties": {"name": {"type": "string"}, "category": {"type": "string"},
-                         "summary": {"type": "string"}}}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "category", "summary"],
+          "properties": {"name": {"type": "string", "maxLength": 40},
+                         "category": {"type": "string", "maxLength": 40},
+                         "summary": {"type": "string", "maxLength": 120}}}
 LONG = {"type": "object", "required": ["story"],
         "properties": {"story": {"type": "string", "minLength": 2000}}}
 
