@@ -1,10 +1,15 @@
 """The Python API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import time
 from typing import Iterable, Iterator, Sequence as Seq
+
+import jinja2
+import jinja2.meta
 
 from kvreplay.config import EngineConfig
 from kvreplay.engine import step_log, summary
@@ -12,8 +17,9 @@ from kvreplay.engine.llm_engine import LLMEngine
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 
-Message = dict[str, str]
+Message = dict[str, str]  # role, content (and for tool use: tool_calls, tool_call_id)
 CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"  # a tool's result: only for templates that take tools
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +112,16 @@ class LLM:
 
     def chat(self, conversations: list[Message] | Seq[list[Message]],
              params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = False,
-             on_step=None, protect_system: bool = True):
+             on_step=None, protect_system: bool = True, tools: list[dict] | None = None):
         """Apply the model's chat template to each conversation, then generate. The system
-        message span (`system_span_tokens`) is a protected zone unless `protect_system=False`."""
+        message span (`system_span_tokens`) is a protected zone unless `protect_system=False`.
+        `tools` (OpenAI function definitions) are rendered by templates that take them
+        (`supports_tools`; ValueError otherwise); the spans are then not found (no protected zone)."""
         single = bool(conversations) and isinstance(conversations[0], dict)
         batch = [conversations] if single else list(conversations)
-        prompts = [self.chat_prompt_ids(conv) for conv in batch]
-        protected = [self.system_span_tokens(conv) if protect_system else 0 for conv in batch]
-        hot_from = [self.recent_rounds_start(conv) for conv in batch]
+        prompts = [self.chat_prompt_ids(conv, tools) for conv in batch]
+        protected = [self.system_span_tokens(conv) if protect_system and not tools else 0 for conv in batch]
+        hot_from = [None if tools else self.recent_rounds_start(conv) for conv in batch]
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, on_step=on_step,
                                 protected_tokens=protected, hot_from=hot_from)
         return outputs[0] if single else outputs
@@ -198,16 +206,37 @@ class LLM:
             return None
         return sum(1 for _, stop in encoded.offset_mapping if stop <= end)
 
-    def chat_prompt_ids(self, conversation: list[Message]) -> list[int]:
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template renders a `tools` list (tool calling needs it)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the tool-use one, if any
+            template = template.get("tool_use") or template.get("default")
+        if not isinstance(template, str):
+            return False
+        try:
+            parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+            return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+        except jinja2.TemplateSyntaxError:  # tags of transformers' own: read the text instead
+            return re.search(r"\btools\b", template) is not None
+
+    def chat_prompt_ids(self, conversation: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids: the chat template applied to the conversation (and `tools`,
+        OpenAI function definitions, for a template that takes them: `supports_tools`)."""
         if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                        and isinstance(m.get("content"), str) for m in conversation):
             raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': str} dicts")
-        unknown = [m["role"] for m in conversation if m["role"] not in CHAT_ROLES]
+        if tools and not self.supports_tools:
+            raise ValueError("this model's chat template does not take tools: tool calling is not "
+                             "available with it")
+        roles = CHAT_ROLES + ((TOOL_ROLE,) if self.supports_tools else ())
+        unknown = [m["role"] for m in conversation if m["role"] not in roles]
         if unknown:
             raise ValueError(f"unknown chat role {unknown[0]!r}: a message's role is one of "
-                             f"{', '.join(CHAT_ROLES)}")
+                             f"{', '.join(roles)}")
+        extra = {"tools": tools} if tools else {}
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                 tokenize=True)
+                                                 tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

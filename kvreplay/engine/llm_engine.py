@@ -12,6 +12,7 @@ from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
 from kvreplay.engine.counters import EngineCounters
+from kvreplay.engine.grammar import Grammars
 from kvreplay.engine.layered_pass import layered_work_bytes
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
@@ -22,8 +23,8 @@ from kvreplay.engine.sessions import KeptSessions
 from kvreplay.engine.tier_loads import attach_tier
 from kvreplay.models.llama import LlamaModel
 from kvreplay.models.loader import load_model
-from kvreplay.outputs import CompletionOutput, RequestOutput
-from kvreplay.sampling import SamplingParams, sample, top_logprobs
+from kvreplay.outputs import RequestOutput
+from kvreplay.sampling import SamplingParams, rows_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class LLMEngine:
                                   select_hot=self.scheduler.reclaim.attention_selection
                                   if config.kv_policy.selects_per_step else None)
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.sessions = KeptSessions(self.kv.free)  # finished requests kept for their next round
         self.counters = EngineCounters()
@@ -118,9 +120,11 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests or request_id in self.sessions:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self.grammars.matcher(params.response_format) if params.response_format else None
         if continues is not None:
             seq = self.sessions.resume(continues, request_id, token_ids, params, max_tokens,
                                        self.eos_token_ids, self._rng, hot_from)
+            seq.grammar = grammar
             self.scheduler.add(seq, kept=True)
             self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                                  token_ids, [seq], stream, keep)
@@ -136,6 +140,7 @@ class LLMEngine:
             seq.max_tokens = max_tokens
             seq.pinned_tokens = min(num_prompt, max(protected_tokens, self.config.sink_tokens))
             seq.hot_from = hot_from
+            seq.grammar = grammar.deep_copy() if grammar is not None else None  # one per branch
             seqs.append(seq)
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
@@ -275,18 +280,12 @@ class LLMEngine:
                 touched: dict[str, Request]) -> None:
         """Pick each row's next token (given already when `greedy`), with its logprobs."""
         params = [seq.params for seq in sampled]
+        constrained = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
+        if constrained:  # never with `greedy`: a constrained row needs its logits
+            self.grammars.mask(logits, constrained, [sampled[row].grammar for row in constrained])
         tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
         chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprob_rows = {}
-        if want_logprobs:
-            index = torch.tensor(want_logprobs)
-            k = max(params[i].logprobs for i in want_logprobs)
-            for i, entry in zip(want_logprobs, top_logprobs(logits[index], tokens[index], k)):
-                chosen = chosen_ids[i]
-                top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:params[i].logprobs])
-                top[chosen] = entry[chosen]
-                logprob_rows[i] = top
+        logprob_rows = rows_logprobs(logits, tokens, chosen_ids, params)
         for row, seq in enumerate(sampled):
             self._append(seq, chosen_ids[row], logprob_rows.get(row))
             touched[seq.request_id] = self.requests[seq.request_id]
@@ -294,11 +293,11 @@ class LLMEngine:
     @staticmethod
     def _argmax_only(batch: ScheduledBatch) -> bool:
         """Whether every sequence that may sample this step takes the plain greedy token
-        (temperature 0, no logprobs, no forks or beams): then the model hands back the tokens
-        instead of logits."""
+        (temperature 0, no logprobs, no forks, beams or grammar): then the model hands back the
+        tokens instead of logits."""
         seqs = batch.decodes + [seq for seq, _ in batch.prefills] + [seq for seq, _ in batch.layers]
         return all(seq.params.greedy and seq.params.logprobs is None and not seq.forks and seq.beam is None
-                   for seq in seqs)
+                   and seq.grammar is None for seq in seqs)
 
     def _fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Start the waiting branches of each sequence that just finished its prompt: they share
@@ -325,6 +324,8 @@ class LLMEngine:
             self._detokenize(seq)
             if self._hit_stop_string(seq):
                 return self._end(seq, "stop")
+        if seq.grammar is not None and self.grammars.accept(seq.grammar, token):
+            return self._end(seq, "stop")  # the JSON value is complete (or EOS ended it)
         if token in seq.stop_ids:
             return self._end(seq, "stop")
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -357,6 +358,7 @@ class LLMEngine:
     def _finish(seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.grammar = None  # an aborted or finished request keeps no grammar state
 
     # ------------------------------------------------------------------ beam search's host (beam.BeamHost)
     def request_of(self, seq: Sequence) -> Request:
@@ -376,14 +378,9 @@ class LLMEngine:
     def count_generated(self) -> None:
         self.counters.generation_tokens += 1
 
-    def _output(self, request: Request) -> RequestOutput:
-        completions = [CompletionOutput(seq.branch, seq.text, list(seq.output_token_ids),
-                                        seq.finish_reason,
-                                        list(seq.logprobs) if seq.params.logprobs is not None else None,
-                                        seq.stats)
-                       for seq in request.seqs]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished=all(seq.is_finished for seq in request.seqs))
+    @staticmethod
+    def _output(request: Request) -> RequestOutput:
+        return request.output()
 
     def check_integrity(self) -> None:
         """KV pool invariants plus: each live sequence owns room for exactly its computed tokens."""

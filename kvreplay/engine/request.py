@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvreplay.engine.sequence import Sequence
+from kvreplay.outputs import CompletionOutput, RequestOutput
 from kvreplay.sampling import SamplingParams
 
 
@@ -15,6 +16,16 @@ class Request:
     seqs: list[Sequence]  # its branches (n > 1) or, for beam search, the live beams
     stream: bool
     keep: bool = False  # park its sequence with its KV when it finishes (engine/sessions.py)
+
+    def output(self) -> RequestOutput:
+        """What generation returns for it now (a snapshot: lists copied)."""
+        completions = [CompletionOutput(seq.branch, seq.text, list(seq.output_token_ids),
+                                        seq.finish_reason,
+                                        list(seq.logprobs) if seq.params.logprobs is not None else None,
+                                        seq.stats)
+                       for seq in self.seqs]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                             finished=all(seq.is_finished for seq in self.seqs))
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:

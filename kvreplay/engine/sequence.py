@@ -71,6 +71,8 @@ class Sequence:
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
         self.layered: LayeredPrefill | None = None  # a layered prefill under way
+        self.grammar = None  # structured output: its llguidance matcher (engine/grammar.py), dropped
+                             # when the sequence finishes
         self.approx_from: int | None = None  # first position computed without some dropped range
 
     def note_approx(self, start: int, count: int) -> None:

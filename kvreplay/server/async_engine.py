@@ -114,9 +114,9 @@ class AsyncEngine:
         return await future
 
     async def submit(self, prompts: list, params: SamplingParams, *, stream: bool,
-                     chat: bool) -> Generation:
+                     chat: bool, tools: list[dict] | None = None) -> Generation:
         """Queue one engine request per prompt (a string, token ids, or with chat=True a
-        conversation). Raises ValueError/TypeError for bad input (PromptTooLongError for a
+        conversation, rendered with `tools` when given). Raises ValueError/TypeError for bad input (PromptTooLongError for a
         prompt longer than the context), QueueFullError when full, EngineUnavailableError
         while shutting down."""
         if self.failure is not None or not self.accepting:
@@ -142,7 +142,7 @@ class AsyncEngine:
         def sink(item):
             _call_soon(loop, generation.push, item)
         try:  # the slots stay taken while the prompts are tokenized: that queue is bounded too
-            prepared = await self.preparer.prepare(prompts, chat)
+            prepared = await self.preparer.prepare(prompts, chat, tools)
             await self.call(lambda: self._add_all(generation.request_ids, prepared, params,
                                                   stream, sink))
         except BaseException:

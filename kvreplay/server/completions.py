@@ -21,6 +21,7 @@ from kvreplay.server.generation import (EngineUnavailableError, Generation, Prom
                                         QueueFullError)
 from kvreplay.server.formatting import ChoiceStream, error_body, finish_fields, usage
 from kvreplay.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from kvreplay.server.tools import parse_tool_calls, tool_response_format
 
 router = APIRouter()
 RETRY_AFTER_S = 1  # a full queue's Retry-After: sequences finish every engine step
@@ -30,16 +31,25 @@ class _ChatShape:
     """How /v1/chat/completions spells choices."""
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, num_top: int | None):
+    def __init__(self, state: ServerState, num_top: int | None, tools: list[dict] | None = None):
         self.formatter, self.num_top = state.formatter, num_top
+        self.tool_names = {tool["function"]["name"] for tool in tools or []}
 
     def choice(self, index: int, completion: CompletionOutput) -> dict:
         logprobs = None
         if self.num_top is not None:
             logprobs = self.formatter.chat_logprobs(completion.token_ids, completion.logprobs,
                                                     self.num_top)
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": logprobs, **finish_fields(completion.finish_reason)}
+        message = {"role": "assistant", "content": completion.text}
+        finish = finish_fields(completion.finish_reason)
+        if self.tool_names:
+            content, calls = parse_tool_calls(completion.text, self.tool_names)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.as_openai() for call in calls]}
+                if completion.finish_reason == "stop":
+                    finish = {"finish_reason": "tool_calls"}
+        return {"index": index, "message": message, "logprobs": logprobs, **finish}
 
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -91,10 +101,28 @@ async def _handle(request: Request, model: type[pydantic.BaseModel], shape_class
     state: ServerState = request.app.state.server
     body = await _parse(request, model, state.config.max_request_bytes)
     state.check_model(body.model)
-    params = _sampling_params(body)
+    tools = _tools(state, body) if chat else None
+    params = _sampling_params(body, tools)
     prompts = [body.conversation()] if chat else body.prompts()
-    return await _serve(request, state, body, prompts, params, shape_class(state, params.logprobs),
-                        chat)
+    shape = shape_class(state, params.logprobs, tools) if chat else shape_class(state, params.logprobs)
+    return await _serve(request, state, body, prompts, params, shape, chat, tools)
+
+
+def _tools(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the model may call (None: none), refused for a template that cannot take them."""
+    try:
+        tools = body.tool_list()
+    except ProtocolError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    if tools is None:
+        return None
+    if not state.engine.llm.supports_tools:
+        raise ApiError(400, "this model's chat template does not take tools, so tool calling is "
+                            "not available with it: leave out 'tools' (or set tool_choice to "
+                            "'none'), or serve a model whose template renders them", "tools")
+    if body.stream:
+        raise ApiError(400, "tool calls are not streamed: use stream=false with tools", "stream")
+    return tools
 
 
 async def _parse(request: Request, model: type[pydantic.BaseModel], max_bytes: int):
@@ -118,19 +146,27 @@ async def _parse(request: Request, model: type[pydantic.BaseModel], max_bytes: i
         raise ApiError(400, f"{where}: {message}", where if error["loc"] else None) from None
 
 
-def _sampling_params(body):
+def _sampling_params(body, tools: list[dict] | None = None):
     try:
-        return body.to_sampling_params()
+        if not tools:
+            return body.to_sampling_params()
+        try:  # "required" or a named function: the reply is constrained to a JSON call
+            forced = tool_response_format(tools, body.choice_dump())
+        except ValueError as exc:
+            raise ProtocolError(str(exc), "tool_choice") from None
+        return body.to_sampling_params(forced)
     except ProtocolError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, str(exc)) from None
 
 
-async def _serve(request: Request, state: ServerState, body, prompts, params, shape, chat: bool):
+async def _serve(request: Request, state: ServerState, body, prompts, params, shape, chat: bool,
+                 tools: list[dict] | None = None):
     arrival = time.monotonic()
     try:
-        generation = await state.engine.submit(prompts, params, stream=body.stream, chat=chat)
+        generation = await state.engine.submit(prompts, params, stream=body.stream, chat=chat,
+                                               tools=tools)
     except QueueFullError as exc:
         raise ApiError(429, str(exc), code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None

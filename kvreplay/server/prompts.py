@@ -56,11 +56,12 @@ class PromptPreparer:
                     f"{self.max_prompt_bytes:,} (max_prompt_bytes; the context is "
                     f"{self.max_model_len:,} tokens): shorten it")
 
-    async def prepare(self, prompts: list, chat: bool) -> list[PreparedPrompt]:
-        """Each prompt's token ids, made on the tokenizing thread (after check_sizes). Raises
-        ValueError (or TypeError) for a prompt the engine could not take."""
+    async def prepare(self, prompts: list, chat: bool, tools: list[dict] | None = None) -> list[PreparedPrompt]:
+        """Each prompt's token ids, made on the tokenizing thread (after check_sizes); a chat's
+        `tools` go to its template. Raises ValueError (or TypeError) for a prompt the engine
+        could not take."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._prepare_all, prompts, chat)
+        return await loop.run_in_executor(self._executor, self._prepare_all, prompts, chat, tools)
 
     async def tokenize(self, prompt: str | list[dict[str, str]], add_special_tokens: bool,
                        add_generation_prompt: bool = True) -> list[int]:
@@ -90,19 +91,22 @@ class PromptPreparer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
 
-    def _prepare_all(self, prompts: list, chat: bool) -> list[PreparedPrompt]:
-        return [self._prepare_chat(prompt) if chat else self._prepare_text(prompt) for prompt in prompts]
+    def _prepare_all(self, prompts: list, chat: bool, tools: list[dict] | None) -> list[PreparedPrompt]:
+        return [self._prepare_chat(prompt, tools) if chat else self._prepare_text(prompt)
+                for prompt in prompts]
 
     def _prepare_text(self, prompt) -> PreparedPrompt:
         token_ids = self._llm.engine.tokenize(prompt)  # token ids: checked against the vocabulary
         self._check_tokens(len(token_ids))
         return PreparedPrompt(token_ids)
 
-    def _prepare_chat(self, conversation: list[dict[str, str]]) -> PreparedPrompt:
+    def _prepare_chat(self, conversation: list[dict[str, str]], tools: list[dict] | None) -> PreparedPrompt:
         llm = self._llm
         try:
-            token_ids = llm.chat_prompt_ids(conversation)
+            token_ids = llm.chat_prompt_ids(conversation, tools)
             self._check_tokens(len(token_ids))
+            if tools:  # the spans below are found from renderings without the tools
+                return PreparedPrompt(token_ids)
             return PreparedPrompt(token_ids, llm.system_span_tokens(conversation),
                                   llm.recent_rounds_start(conversation))
         except jinja2.TemplateError as exc:

@@ -10,17 +10,18 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvreplay.sampling import MAX_LOGPROBS, SamplingParams
+from kvreplay.engine.grammar import grammar_of
+from kvreplay.sampling import MAX_LOGPROBS, SamplingParams, check_response_format
 
 MAX_N = 16                 # completions per prompt
 MAX_PROMPTS = 16           # prompts in one /v1/completions request
 MAX_STOP_STRINGS = 4       # as OpenAI
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 128            # as OpenAI
 
 # Known OpenAI fields this engine cannot honour: refuse them instead of silently ignoring them.
-_UNSUPPORTED = ("tools", "functions", "function_call", "response_format", "logit_bias", "suffix",
-                "audio", "prediction")
+_UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "audio", "prediction")
 
 class ProtocolError(ValueError):
     """A request the API refuses; `param` names the offending field (OpenAI error shape)."""
@@ -54,6 +55,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     ignore_eos: bool = False                       # extension (vLLM)
     user: str | None = None
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -79,16 +81,29 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def checked_response_format(self) -> dict | None:
+        """`response_format` checked for shape and its schema compiled once (ProtocolError, a
+        400 naming the field, before the request reaches the engine)."""
+        try:
+            response_format = check_response_format(self.response_format)
+            if response_format is not None:
+                grammar_of(response_format)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), "response_format") from None
+        return response_format
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        response_format: dict | None = None) -> SamplingParams:
         """Raises ValueError (a 400) for values SamplingParams refuses."""
         self.check_supported()
+        response_format = response_format or self.checked_response_format()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [], n=self.n,
-            logprobs=logprobs, ignore_eos=self.ignore_eos)
+            logprobs=logprobs, ignore_eos=self.ignore_eos, response_format=response_format)
 
 
 class TextPart(BaseModel):
@@ -99,15 +114,47 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None           # an assistant's earlier calls
+    tool_call_id: str | None = None                # the call a "tool" message answers
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         # the chat template knows "system", not OpenAI's newer "developer"
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -115,13 +162,35 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def tool_list(self) -> list[dict] | None:
+        """The tools as the chat template takes them (OpenAI's shape), or None when the request
+        lets the model call none (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+                raise ProtocolError("tool_choice asks for a tool call but 'tools' is empty", "tool_choice")
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def to_sampling_params(self, response_format: dict | None = None) -> SamplingParams:
+        """`response_format`: what tool_choice imposes (server/tools.py), instead of the body's."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("'top_logprobs' needs logprobs=true", "top_logprobs")
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        if response_format is not None and self.response_format is not None:
+            raise ProtocolError("'response_format' cannot be combined with a tool_choice that "
+                                "forces a call", "response_format")
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                    response_format)
+
+    def choice_dump(self):
+        """tool_choice as server/tools.py reads it: a string, a dict, or None."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     def conversation(self) -> list[dict[str, str]]:
         return [message.as_template_message() for message in self.messages]

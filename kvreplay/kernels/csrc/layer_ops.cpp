@@ -56,6 +56,8 @@
 //   argmax_rows(x) -> for each row of a 2-D fp32 tensor, the index of its largest value, the
 //       first one on ties, a NaN's when the row has one: torch.argmax's answer. At 32 rows of
 //       49,152 logits torch.argmax takes ~0.7 ms here, most of it outside the memory reads.
+//   apply_token_bitmask(logits, bitmask) -> (), in place: -inf at each token whose bit is 0 in
+//       its row of a packed int32 mask (bit j of word w is token 32 w + j): structured output.
 //
 //
 // Sources (built together as one extension; shared declarations in layer_ops.h, vector helpers
@@ -63,7 +65,7 @@
 // panel_linear, panel_linear_float, panel_argmax, panel_silu_mul), panel_avx512.cpp (the panel
 // kernels on AVX512-BF16 and AMX tiles), panel_avx2.cpp (on AVX2), quant_blocks.cpp
 // (pack_quant_panels, expand_quant_panels), int_products.cpp (the integer products), argmax.cpp
-// (argmax_rows), decode_layers.cpp (decode_layer, decode_layers); this file registers the ops.
+// (argmax_rows, apply_token_bitmask), decode_layers.cpp (decode_layer, decode_layers); this file registers the ops.
 //
 // Built without -ffast-math and with -ffp-contract=off so that every rounding above happens
 // where it is written. Built on first use by kvreplay/kernels/cpu_kernels.py.
@@ -118,6 +120,8 @@ TORCH_LIBRARY(kvreplay_layer, m) {
   m.impl("panel_argmax", c10::DispatchKey::CPU, &panel_argmax);
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()");
+  m.impl("apply_token_bitmask", c10::DispatchKey::CPU, &apply_token_bitmask);
 
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_write_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_q, int num_kv, "

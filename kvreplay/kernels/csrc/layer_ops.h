@@ -220,6 +220,7 @@ void int_panel(const typename Form::X* v, const float* scale, const float* sum, 
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask);
 
 // decode_layers.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
