@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # against ~22 in one process); TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench ruler clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,6 +28,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvreplay bench throughput
+
+# The full RULER-style sweep of docs/benchmarks.md §3: every task and the multi-turn chat at 4K and
+# 7.5K tokens, 25 cases each, full once and every lossy policy at 10/25/50% resident. Days on a
+# 2-core CPU; RULER_ARGS narrows it (e.g. RULER_ARGS="--tasks multiturn --cases 6 --ratios 0.1").
+RULER_OUT ?= ruler
+ruler: $(STAMP)
+	mkdir -p $(RULER_OUT)
+	$(BIN)/kvreplay bench quality --suite ruler --json $(RULER_OUT)/ruler.json \
+		--markdown $(RULER_OUT)/ruler.md --plot $(RULER_OUT)/ruler.png $(RULER_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

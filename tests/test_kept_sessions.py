@@ -112,3 +112,16 @@ def test_bad_continuations_are_clear_errors_and_keep_the_session(tiny_model):
     with pytest.raises(ValueError, match="no kept session"):  # continued once already
         llm.generate(_all(one) + [5, 6], PARAMS, continues=[one.request_id])
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_blocks_computed_without_a_dropped_range_are_not_offered_as_exact(tiny_model):
+    """Replay drops the middle after prefill; the 40 tokens decoded next attend without it. A
+    later request with the same prompt and output reuses the prompt's blocks from the prefix
+    cache, not the decoded ones (they would be approximate K/V served as exact)."""
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="4MiB", policy="replay",
+              window_tokens=64, resident_ratio=0.25, trim="prefill", replay_threshold=1.0, heavy_tokens=0)
+    prompt = _tokens(640, 7)
+    one = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), on_step=_check)
+    assert one.stats.dropped_tokens > 0 and one.stats.approx_tokens == 39
+    two = llm.generate(prompt + one.token_ids[:32], PARAMS, on_step=_check)
+    assert two.stats.prefix_hit_tokens == 640

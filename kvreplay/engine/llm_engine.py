@@ -235,7 +235,7 @@ class LLMEngine:
             if self.kv.dropped_blocks(seq.seq_id):
                 seq.note_approx(start, chunk)  # attended without its dropped ranges
             seq.num_computed_tokens += chunk
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.approx_from)
             if seq.num_uncomputed_tokens == 0:
                 prefilled.append(seq)
         for seq, _ in batch.layers:
@@ -268,7 +268,7 @@ class LLMEngine:
             if self.kv.dropped_blocks(seq.seq_id):
                 seq.note_approx(seq.num_computed_tokens, 1)
             seq.num_computed_tokens += 1
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.approx_from)
         logits, sampled = result.logits, result.sampled
         if fired:
             keep = [row for row, seq in enumerate(sampled) if seq not in fired]

@@ -246,8 +246,10 @@ class KVManager:
         return True
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
-               through_dropped: bool = False) -> None:
+               approx_from: int | None = None, through_dropped: bool = False) -> None:
         """Hash the blocks of `seq_id` that became full and computed, and index them.
+        `approx_from`: blocks holding positions from there on were computed without some
+        dropped range: hashed, never offered to other requests as exact K/V.
         `through_dropped`: blocks dropped before they were hashed (a layered prefill's middle,
         computed exactly but never resident) get their hash, not a cache entry."""
         hashes = self._hashes[seq_id]
@@ -262,7 +264,8 @@ class KVManager:
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
             parent = self._hash_fn(parent, tokens, extra)
             hashes.append(parent)
-            if table[index] != DROPPED and not self.pool.cache.is_cached(table[index]):
+            exact = approx_from is None or (index + 1) * self.block_size <= approx_from
+            if exact and table[index] != DROPPED and not self.pool.cache.is_cached(table[index]):
                 self.pool.cache.insert(table[index], parent, tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:

@@ -219,7 +219,7 @@ class TierMoves:
                 logger.warning("seq %d: replayed block %d differs from its fingerprint by %.3g "
                                "(tolerance %.3g)", seq_id, index, float(error), self.kv.fingerprint_tolerance)
             self.forget(seq_id, index)
-            if self.kv.enable_prefix_caching and index < len(self.kv._hashes[seq_id]) \
+            if self.kv.enable_prefix_caching and not approximate and index < len(self.kv._hashes[seq_id]) \
                     and not self.kv.pool.cache.is_cached(table[index]):
                 tokens = tuple(token_ids[index * self.kv.block_size:(index + 1) * self.kv.block_size])
                 self.kv.pool.cache.insert(table[index], self.kv._hashes[seq_id][index], tokens)
