@@ -4,14 +4,16 @@ the same budget (`resident_ratio`, a pool the others do not press). A tiny rando
 (conftest.py) in fp32.
 
 Which counters are the request's own (docs/architecture.md §5, "Per-request counters"):
-- defined by the request alone, checked here: its tokens, `completion_tokens`, `dropped_tokens`,
-  `replays`, `replayed_tokens`, `cold_blocks`, `approx_tokens`, `replay_mismatches` (every
-  policy decision that moves its blocks reads only its own attention, length and budget);
-- depending on the others by design: `pauses` and `preemptions` (memory pressure from the whole
-  batch; and under `replay` the blocks a pause or a pressure trim takes, hence its tokens),
-  `prefix_hit_tokens` (what other requests left in the prefix cache) and the session tier's
-  counters (its cost model reads measured rates). Under `full` the tokens stay equal under
-  pressure too: a pause is replayed exactly.
+- defined by the request alone, in a pool the batch does not press: its tokens,
+  `completion_tokens`, `dropped_tokens`, `replays`, `replayed_tokens`, `cold_blocks`,
+  `approx_tokens` and `replay_mismatches` (every decision that moves its blocks reads only its
+  own attention, length and budget), checked here together with `pauses` and `preemptions`
+  (0 in such a pool);
+- depending on the others by design: `pauses` and `preemptions` once the batch presses the pool
+  (and then under a policy that trims under pressure the blocks a trim or pause takes, hence its
+  approximate tokens), `prefix_hit_tokens` (what other requests left in the prefix cache) and
+  the session tier's counters (its cost model reads measured rates). Under `full` the tokens stay
+  equal under pressure too: a pause is replayed exactly (the last test).
 """
 from __future__ import annotations
 
