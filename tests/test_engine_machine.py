@@ -121,6 +121,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_seed += 1
         if beam > 1:
             n, stop, temperature = 1, None, 0.0
+        if beam * (len(prompt) + max_tokens) > 0.6 * self.capacity:
+            beam = 1  # beams that outgrow the pool's watermarks deadlock: the xfail test at the end
         keep = keep and n == 1 and beam == 1
         params = SamplingParams(max_tokens=max_tokens, n=n, beam_width=beam, stop=stop, temperature=temperature,
                                 seed=1000 + self.next_seed if seeded else None, ignore_eos=ignore_eos)
@@ -149,7 +151,9 @@ class EngineMachine(RuleBasedStateMachine):
         request_id = sorted(self.live)[pick % len(self.live)]
         out = self.engine.abort_request(request_id)
         EngineMachine.tally["aborted"] += 1
-        assert out is not None and all(c.finish_reason == "abort" for c in out.outputs if c.finish_reason)
+        # (branches that ended before the abort keep their reason)
+        assert out is not None and all(c.finish_reason in ("abort", "stop", "length") for c in out.outputs)
+        assert any(c.finish_reason == "abort" for c in out.outputs)
         del self.live[request_id]
         self.clean = True
 
@@ -274,8 +278,10 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             replayed_lately = seq.replay.last_step >= 0 and \
                 scheduler.num_steps - seq.replay.last_step <= RETRIM_AFTER_STEPS
-            every_step = (policy.caps_each_step and not replayed_lately
-                          and not scheduler.replay.wants_replay(seq)) or policy.slides
+            # (a capping preset leaves a sequence that replayed lately uncut, sliding or not:
+            # its heavy hitters stay hot until then)
+            every_step = (not replayed_lately and not scheduler.replay.wants_replay(seq)) \
+                if policy.caps_each_step else policy.slides
             if not (every_step or (reclaim.selects_at_prefill and seq.seq_id in prefilling)):
                 continue
             blocks = -(-seq.num_computed_tokens // kv.block_size)
@@ -343,3 +349,26 @@ def test_engine_state_machine_long(tiny_model):
         rounds += 1
     print(f"\nlong run: {EngineMachine.total_steps - before} engine steps, {rounds} rounds x 25 examples "
           f"(seeds {seed}-{seed + rounds - 1}), {time.perf_counter() - started:.0f} s; {dict(EngineMachine.tally)}")
+
+
+# ---------------------------------------------------------------------------- reproducers found
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "beam search deadlocks when its beams outgrow the high watermark: reclaim pauses one beam, the "
+    "running beam then waits for its sibling at the group's next step while the paused one waits "
+    "for room the running one holds (the engine asserts 'running work but nothing scheduled'); "
+    "a fix pauses a beam group as a unit or refuses beams that cannot fit together (open)"))
+def test_beam_search_outgrowing_the_high_watermark_finishes(tiny_model):
+    """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 1-token request
+    and two beams over a 227-token prompt (each fits the pool; together they pass `high`)."""
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="128KiB", block_size=8,
+              enable_prefix_caching=False, max_num_seqs=2)
+    engine = llm.engine
+    engine.add_request(_tokens(1, 1), SamplingParams(max_tokens=1, temperature=0))
+    beams = engine.add_request(_tokens(227, 2), SamplingParams(max_tokens=8, beam_width=2))
+    done = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((out.request_id, out) for out in engine.step())
+        engine.check_integrity()
+    assert done[beams].outputs[0].finish_reason == "length"
