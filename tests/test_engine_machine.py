@@ -1,0 +1,399 @@
+"""A randomized state machine over the real engine (issue 40): Hypothesis drives an `LLM` on a tiny
+random Llama (conftest.py `tiny_model`, fp32) with tiny pools through random requests (length,
+shared prefixes, n, beam search, stop strings, max_tokens, seeded temperature, protected spans),
+aborts, steps, forced needs (the detector's threshold at 0 for one step), forced fingerprint
+mismatches (a dropped block's stored fingerprint perturbed) and kept sessions (keep, continue,
+release), one policy and pool size per run. After every engine step it checks the invariants
+below; when the run ends it drains the engine and checks that the pool is whole again.
+
+Invariants (`Checks`): `check_integrity()`; every block is either free or referenced, never
+both; the KV manager tracks exactly the live sequences (running, waiting, kept), so every pinned
+block belongs to one; hot + cold + key-index bytes fit the pool; a sequence under a
+`resident_ratio` is within it after the step its policy promises it (or has nothing left to cut);
+fingerprint mismatches happen only where the test perturbed a fingerprint; under `full`, every
+greedy, beam or seeded request gives the tokens of the same request run alone in a roomy pool;
+drained, the pool's free count is its size and the prefix cache holds only unreferenced blocks.
+
+CI runs a bounded slice (`CI_EXAMPLES` runs of up to `CI_STEPS` rules). The long run:
+
+    KVREPLAY_FSM_LONG=10000 TORCH_EXTENSIONS_DIR=... python -m pytest -q tests/test_engine_machine.py -s
+
+runs machines until that many engine steps were taken (one Hypothesis seed per round: set
+KVREPLAY_FSM_SEED to start elsewhere) and prints the steps, examples and wall time.
+A failure shrinks to a minimal reproducer; each one found is a plain test at the end of this file.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+import pytest
+import torch
+import hypothesis
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from kvreplay import LLM, SamplingParams
+from kvreplay.kv.policy import middle_block_range
+from kvreplay.kv.tiers import DROPPED
+
+CI_EXAMPLES, CI_STEPS = 12, 30
+LONG_STEPS = int(os.environ.get("KVREPLAY_FSM_LONG", "0"))  # engine steps of the long run (0: CI slice)
+POLICIES = ("full", "window", "replay", "replay+cold", "snapkv", "h2o")
+# 512 bytes of K/V per token (2 layers x 2 KV heads x 16 dims x K and V x fp32): 256KiB holds
+# 512 tokens, 4MiB 8,192 (the model's context is 2,048); the small ones press the pool.
+MEMORIES = ("128KiB", "256KiB", "256KiB", "512KiB", "1MiB", "4MiB")
+MAX_CONTEXT = 2047
+SHARED = torch.randint(100, 40000, (256,), generator=torch.Generator().manual_seed(1234)).tolist()
+STOPS = (None, "e", ["a", "."], "the")
+RETRIM_AFTER_STEPS = 32  # engine/reclaim.py: a sequence that replayed lately is not capped yet
+
+
+def _tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class References:
+    """The same request alone in a roomy pool, per block size: what `full` must reproduce."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._llms: dict[int, LLM] = {}
+        self._outputs: dict[tuple, list[list[int]]] = {}
+
+    def tokens(self, block_size: int, prompt: list[int], params: SamplingParams, protected: int) -> list[list[int]]:
+        key = (block_size, tuple(prompt), repr(params), protected)
+        if key not in self._outputs:
+            llm = self._llms.get(block_size)
+            if llm is None:
+                llm = self._llms[block_size] = LLM(model=self.model, dtype="float32", kv_cache_memory="8MiB",
+                                                   block_size=block_size, enable_prefix_caching=False)
+            out = llm.generate(prompt, params, protected_tokens=protected)
+            self._outputs[key] = [completion.token_ids for completion in out.outputs]
+        return self._outputs[key]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """One engine per run (policy, pool, block size, budget drawn at `build`); see the module
+    docstring for the rules and invariants."""
+
+    model: str = ""                      # set by the test (the tiny model's directory)
+    references: References | None = None
+    total_steps = 0                      # engine steps over every run (the long run reports it)
+    tally: Counter = Counter()           # what the runs exercised (printed by the tests)
+
+    def __init__(self):
+        super().__init__()
+        self.llm: LLM | None = None
+        self.clean = True       # False while a rule or check is under way (teardown skips the drain)
+        self.live: dict[str, tuple[list[int], SamplingParams, int, bool]] = {}  # prompt, params, protected, keep
+        self.kept: dict[str, list[int]] = {}  # kept request id -> its prompt + output tokens
+        self.perturbed = 0      # fingerprints this run perturbed
+        self.next_seed = 0
+
+    # ------------------------------------------------------------------ setup
+    @initialize(policy=st.sampled_from(POLICIES), memory=st.sampled_from(MEMORIES),
+                block_size=st.sampled_from((8, 16)), ratio=st.sampled_from((None, 0.25, 0.5, 0.5)),
+                threshold=st.sampled_from((0.65, 0.2)),
+                trim=st.sampled_from(("admission", "pressure", "prefill")), caching=st.booleans(),
+                layered=st.booleans(), batched=st.sampled_from((32, 64, 256)), max_seqs=st.sampled_from((2, 4, 8)))
+    def build(self, policy, memory, block_size, ratio, threshold, trim, caching, layered, batched, max_seqs):
+        if policy in ("snapkv", "h2o") and ratio is None:
+            ratio = 0.5
+        self.llm = LLM(model=self.model, dtype="float32", kv_cache_memory=memory, block_size=block_size,
+                       policy=policy, resident_ratio=ratio, trim=trim, enable_prefix_caching=caching,
+                       layered_prefill=layered, window_tokens=32, max_num_batched_tokens=batched,
+                       max_num_seqs=max_seqs, replay_threshold=threshold, seed=0)
+        self.engine = self.llm.engine
+        self.capacity = min(self.engine.kv.capacity_tokens, MAX_CONTEXT)
+        if self.engine.config.kv_policy.keeps_key_index:  # a lone sequence filling the pool cannot
+            self.capacity -= 2 * block_size                # replay: the second xfail test at the end
+
+    # ------------------------------------------------------------------ rules
+    @precondition(lambda self: len(self.live) < 6)
+    @rule(length=st.integers(1, 300), shared=st.sampled_from((0, 0, 8, 24, 64)), max_tokens=st.integers(1, 40),
+          n=st.sampled_from((1, 1, 1, 2, 3)), beam=st.sampled_from((1, 1, 1, 1, 2)), stop=st.sampled_from(STOPS),
+          temperature=st.sampled_from((0.0, 0.0, 0.8)), seeded=st.booleans(), ignore_eos=st.booleans(),
+          protected=st.sampled_from((0, 0, 5, 20)), keep=st.booleans())
+    def add(self, length, shared, max_tokens, n, beam, stop, temperature, seeded, ignore_eos, protected, keep):
+        self.clean = False
+        length = max(1, min(length, self.capacity - max_tokens - shared))
+        prompt = SHARED[:shared] + _tokens(length, self.next_seed)
+        self.next_seed += 1
+        if beam > 1:
+            n, stop, temperature = 1, None, 0.0
+        if beam * (len(prompt) + max_tokens) > 0.6 * self.capacity:
+            beam = 1  # beams that outgrow the pool's watermarks deadlock: the xfail test at the end
+        keep = keep and n == 1 and beam == 1
+        params = SamplingParams(max_tokens=max_tokens, n=n, beam_width=beam, stop=stop, temperature=temperature,
+                                seed=1000 + self.next_seed if seeded else None, ignore_eos=ignore_eos)
+        protected = min(protected, len(prompt))
+        request_id = self.engine.add_request(prompt, params, protected_tokens=protected, keep=keep)
+        self.live[request_id] = (prompt, params, protected, keep)
+        self.clean = True
+
+    @rule(count=st.integers(1, 16))
+    def step(self, count):
+        self.clean = False
+        for _ in range(count):
+            self._step()
+        self.clean = True
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 5), after=st.integers(0, 8))
+    def abort(self, pick, after):
+        """Abort a live request `after` engine steps (if it is still live then)."""
+        self.clean = False
+        for _ in range(after):
+            self._step()
+        if not self.live:
+            self.clean = True
+            return
+        request_id = sorted(self.live)[pick % len(self.live)]
+        out = self.engine.abort_request(request_id)
+        EngineMachine.tally["aborted"] += 1
+        # (branches that ended before the abort keep their reason)
+        assert out is not None and all(c.finish_reason in ("abort", "stop", "length") for c in out.outputs)
+        assert any(c.finish_reason == "abort" for c in out.outputs)
+        del self.live[request_id]
+        self.clean = True
+
+    @precondition(lambda self: self.kept)
+    @rule(pick=st.integers(0, 5), length=st.integers(1, 60), max_tokens=st.integers(1, 16), keep=st.booleans(),
+          release=st.booleans())
+    def continue_or_release(self, pick, length, max_tokens, keep, release):
+        """The next round of a kept session (its tokens + new ones), or its release."""
+        self.clean = False
+        request_id = sorted(self.kept)[pick % len(self.kept)]
+        before = self.kept[request_id]
+        if release or len(before) + 1 + max_tokens > self.capacity:
+            was_kept = request_id in self.engine.sessions  # (or released to make room meanwhile)
+            assert self.engine.release(request_id) == was_kept
+            assert not self.engine.release(request_id)
+            del self.kept[request_id]
+        else:
+            prompt = before + _tokens(min(length, self.capacity - len(before) - max_tokens), self.next_seed)
+            self.next_seed += 1
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            if request_id not in self.engine.sessions:  # released to make room meanwhile
+                with pytest.raises(ValueError, match="no kept session"):
+                    self.engine.add_request(prompt, params, continues=request_id)
+            else:
+                new_id = self.engine.add_request(prompt, params, keep=keep, continues=request_id)
+                EngineMachine.tally["continued"] += 1
+                self.live[new_id] = (prompt, params, 0, keep)
+            del self.kept[request_id]
+        self.clean = True
+
+    @precondition(lambda self: self.llm is not None and self.engine.config.kv_policy.replays_on_need)
+    @rule()
+    def force_need(self):
+        """The detector's threshold at 0 for one step: every decoding sequence with an indexed
+        dropped block replays them all, then redoes its step."""
+        self.clean = False
+        replay = self.engine.scheduler.replay
+        threshold, replay.threshold = replay.threshold, 0.0
+        try:
+            self._step()
+        finally:
+            replay.threshold = threshold
+        EngineMachine.tally["forced needs"] += 1
+        self.clean = True
+
+    @precondition(lambda self: self.llm is not None and self.engine.kv.tiers.records)
+    @rule(pick=st.integers(0, 1000))
+    def perturb_fingerprint(self, pick):
+        """A dropped block's stored fingerprint no longer matches what a replay computes."""
+        self.clean = False
+        records = [r for seq_records in self.engine.kv.tiers.records.values() for r in seq_records.values()]
+        record = records[pick % len(records)]
+        record.fingerprint = record.fingerprint * 3 + 1
+        self.perturbed += 1
+        EngineMachine.tally["perturbed"] += 1
+        self.clean = True
+
+    # ------------------------------------------------------------------ checks
+    def _step(self):
+        engine = self.engine
+        prefilling = {seq.seq_id for seq in [*engine.scheduler.running, *engine.scheduler.waiting]
+                      if seq.num_uncomputed_tokens > 1}
+        outputs = engine.step()
+        EngineMachine.total_steps += 1
+        self._check_pool()
+        self._check_ratio(prefilling)
+        for out in outputs:
+            if out.finished:
+                self._finished(out)
+
+    def _finished(self, out):
+        prompt, params, protected, keep = self.live.pop(out.request_id)
+        for completion in out.outputs:
+            stats = completion.stats
+            EngineMachine.tally.update(finished=1, replays=stats.replays, pauses=stats.pauses,
+                                       dropped_tokens=stats.dropped_tokens, cold_blocks=stats.cold_blocks,
+                                       prefix_hit_tokens=stats.prefix_hit_tokens, approx_tokens=stats.approx_tokens,
+                                       replay_mismatches=stats.replay_mismatches)
+        assert all(c.finish_reason in ("stop", "length") for c in out.outputs), out.outputs
+        assert all(len(c.token_ids) <= params.max_tokens for c in out.outputs)
+        if keep and out.request_id in self.engine.sessions:
+            self.kept[out.request_id] = out.prompt_token_ids + out.token_ids
+        if self.engine.config.policy == "full" and (params.temperature == 0 or params.seed is not None):
+            expected = self.references.tokens(self.engine.config.block_size, prompt, params, protected)
+            got = [c.token_ids for c in out.outputs]
+            if params.beam_width > 1:
+                got, expected = got[:1], expected[:1]
+            assert got == expected, f"{out.request_id}: {got} under full, {expected} alone"
+            EngineMachine.tally["compared with a lone run"] += 1
+
+    @invariant()
+    def pool_is_consistent(self):
+        if self.llm is not None:
+            self._check_pool()
+
+    def _check_pool(self):
+        engine, kv = self.engine, self.engine.kv
+        engine.check_integrity()
+        free = set(kv.pool._empty) | set(kv.pool.lru_order())
+        referenced = {b for table in kv._tables.values() for b in table if b != DROPPED}
+        referenced |= set(kv.tiers.reserved) | {b for _, blocks in kv.layered.active.values() for b in blocks}
+        assert not free & referenced, f"blocks both free and referenced: {sorted(free & referenced)}"
+        assert free | referenced == set(range(kv.num_blocks)), "blocks neither free nor referenced"
+        live = {seq.seq_id for seq in [*engine.scheduler.running, *engine.scheduler.waiting,
+                                       *engine.sessions.sequences()]}
+        assert set(kv._tables) == live, f"tracked {sorted(kv._tables)}, live {sorted(live)}"
+        assert set(kv.importance._mass) <= live, "attention scores of a finished sequence"
+        hot = (kv.num_used_blocks - kv.num_reserved_blocks) * kv.block_bytes
+        assert hot + kv.index_bytes + kv.cold_bytes <= kv.num_blocks * kv.block_bytes
+        assert engine.counters.replay_mismatches <= self.perturbed, "a replay mismatched unperturbed"
+
+    def _check_ratio(self, prefilling: set[int]):
+        """After its step, a sequence under a resident_ratio is within it, or nothing is left
+        that its policy could cut (the pinned head, the recent window and shared blocks stay)."""
+        scheduler = self.engine.scheduler
+        reclaim, kv = scheduler.reclaim, self.engine.kv
+        policy, ratio = reclaim.policy, reclaim.resident_ratio
+        if ratio is None:
+            return
+        for seq in scheduler.running:
+            if seq.num_uncomputed_tokens != 1 or seq.beam is not None:
+                continue
+            replayed_lately = seq.replay.last_step >= 0 and \
+                scheduler.num_steps - seq.replay.last_step <= RETRIM_AFTER_STEPS
+            # (a capping preset leaves a sequence that replayed lately uncut, sliding or not:
+            # its heavy hitters stay hot until then)
+            every_step = (not replayed_lately and not scheduler.replay.wants_replay(seq)) \
+                if policy.caps_each_step else policy.slides
+            if not (every_step or (reclaim.selects_at_prefill and seq.seq_id in prefilling)):
+                continue
+            blocks = -(-seq.num_computed_tokens // kv.block_size)
+            if kv.resident_bytes(seq.seq_id) <= (ratio * blocks + 1e-9) * kv.block_bytes:
+                continue
+            recent = reclaim.recent_tokens(seq.num_computed_tokens, seq.pinned_tokens)
+            middle = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent, kv.block_size,
+                                        seq.hot_from if policy.demotes else None)
+            left = kv.droppable(seq.seq_id, middle) + kv.cold_blocks(seq.seq_id) * policy.drops_middle
+            assert not left, (f"seq {seq.seq_id} ({policy.name}, r={ratio}): {kv.resident_bytes(seq.seq_id)} "
+                              f"bytes resident over {blocks} blocks, blocks {left} still cuttable")
+
+    def teardown(self):
+        """Drain: every request finishes within a bounded number of steps, kept sessions are
+        released, and the pool is whole again."""
+        if self.llm is None or not self.clean:
+            return
+        EngineMachine.tally[f"runs under {self.engine.config.policy}"] += 1
+        engine = self.engine
+        bound = 200 + 4 * sum(len(p) + params.max_tokens * max(params.n, params.beam_width)
+                              for p, params, _, _ in self.live.values())
+        for _ in range(bound):
+            if not engine.has_unfinished_requests():
+                break
+            self._step()
+        assert not engine.has_unfinished_requests(), f"still running after {bound} steps: {sorted(self.live)}"
+        assert not self.live, f"finished without an output: {sorted(self.live)}"
+        for request_id in list(self.kept):
+            engine.release(request_id)
+        for seq in engine.sessions.sequences():  # kept but not tracked here: none expected
+            raise AssertionError(f"kept session {seq.request_id} unknown to the test")
+        kv = engine.kv
+        engine.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks and not kv._tables
+        assert kv.key_index.num_used == 0 and kv.cold_bytes == 0 and not kv.tiers.reserved
+        assert len(kv.pool.cache) == kv.num_cached_blocks
+        assert all(kv.pool.ref_counts[b] == 0 for b in kv.pool.lru_order())
+
+
+def _run(model: str, examples: int, steps: int, seed: int | None = None) -> None:
+    """Run the machine `examples` times, up to `steps` rules each; derandomized unless `seed`."""
+    EngineMachine.model = model
+    if EngineMachine.references is None or EngineMachine.references.model != model:
+        EngineMachine.references = References(model)
+    config = settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck), derandomize=seed is None)
+    factory = EngineMachine if seed is None else hypothesis.seed(seed)(lambda: EngineMachine())
+    run_state_machine_as_test(factory, settings=config)
+
+
+def test_engine_state_machine(tiny_model):
+    """The CI slice: a bounded, derandomized set of runs."""
+    before = EngineMachine.total_steps
+    _run(tiny_model, CI_EXAMPLES, CI_STEPS)
+    assert EngineMachine.total_steps > before  # the machine did step the engine
+    print(f"\nCI slice: {EngineMachine.total_steps - before} engine steps; {dict(EngineMachine.tally)}")
+
+
+@pytest.mark.skipif(not LONG_STEPS, reason="the long run: KVREPLAY_FSM_LONG=<engine steps>")
+def test_engine_state_machine_long(tiny_model):
+    started, before = time.perf_counter(), EngineMachine.total_steps
+    seed, rounds = int(os.environ.get("KVREPLAY_FSM_SEED", "0")), 0
+    while EngineMachine.total_steps - before < LONG_STEPS:
+        _run(tiny_model, 25, 60, seed=seed + rounds)
+        rounds += 1
+    print(f"\nlong run: {EngineMachine.total_steps - before} engine steps, {rounds} rounds x 25 examples "
+          f"(seeds {seed}-{seed + rounds - 1}), {time.perf_counter() - started:.0f} s; {dict(EngineMachine.tally)}")
+
+
+# ---------------------------------------------------------------------------- reproducers found
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "beam search deadlocks when its beams outgrow the high watermark: reclaim pauses one beam, the "
+    "running beam then waits for its sibling at the group's next step while the paused one waits "
+    "for room the running one holds (the engine asserts 'running work but nothing scheduled'); "
+    "a fix pauses a beam group as a unit or refuses beams that cannot fit together (open)"))
+def test_beam_search_outgrowing_the_high_watermark_finishes(tiny_model):
+    """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 1-token request
+    and two beams over a 227-token prompt (each fits the pool; together they pass `high`)."""
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="128KiB", block_size=8,
+              enable_prefix_caching=False, max_num_seqs=2)
+    engine = llm.engine
+    engine.add_request(_tokens(1, 1), SamplingParams(max_tokens=1, temperature=0))
+    beams = engine.add_request(_tokens(227, 2), SamplingParams(max_tokens=8, beam_width=2))
+    done = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((out.request_id, out) for out in engine.step())
+        engine.check_integrity()
+    assert done[beams].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "a lone sequence that fills the pool cannot replay: the key index's reserved block stands for "
+    "the very block the replay would bring back, so allocate_restore finds no free block, nobody "
+    "else can be trimmed or paused, and the sequence neither replays nor decodes (the engine "
+    "asserts 'running work but nothing scheduled'); a fix lets the replay take the block its "
+    "index slot frees, or gives the need up and decodes approximately (open)"))
+def test_a_lone_sequence_filling_the_pool_can_still_replay(tiny_model):
+    """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 248-token prompt
+    with 8 tokens to generate under `replay` at r=0.5, the detector forced at a few steps."""
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="128KiB", block_size=8, policy="replay",
+              resident_ratio=0.5, max_num_seqs=2, window_tokens=32, max_num_batched_tokens=256)
+    engine = llm.engine
+    request_id = engine.add_request(SHARED[:64] + _tokens(184, 0), SamplingParams(max_tokens=8, temperature=0))
+    done, replay = {}, engine.scheduler.replay
+    for threshold in [0.0] * 3 + [0.65] * 6 + [0.0] + [0.65] * 30:  # (forced needs, as the machine did)
+        if not engine.has_unfinished_requests():
+            break
+        replay.threshold = threshold
+        done.update((out.request_id, out) for out in engine.step())
+        engine.check_integrity()
+    assert done[request_id].outputs[0].finish_reason == "length"
