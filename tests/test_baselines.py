@@ -288,9 +288,11 @@ def test_planner_knows_the_baselines():
 
 def test_a_prompts_last_chunk_keeps_its_observed_queries():
     from kvreplay.kv.importance import OBSERVED_QUERIES, prompt_chunk
-    assert prompt_chunk(512, 511) == 512 - OBSERVED_QUERIES   # not 511, leaving 1 for a decode row
-    assert prompt_chunk(768, 512) == 512 and prompt_chunk(40, 40) == 40 and prompt_chunk(1, 1) == 1
-    assert prompt_chunk(20, 19) == 18 and prompt_chunk(20, 1) == 1  # tiny budgets: never 1 left
+    snapkv = POLICIES["snapkv"]
+    assert prompt_chunk(512, snapkv, 511) == 512 - OBSERVED_QUERIES  # not 511, leaving 1 for a decode row
+    assert prompt_chunk(768, snapkv, 512) == 512 and prompt_chunk(40, snapkv, 40) == 40
+    assert prompt_chunk(20, snapkv, 19) == 18 and prompt_chunk(20, snapkv, 1) == 1  # never 1 left
+    assert prompt_chunk(512, POLICIES["full"], 511) == 511  # nothing observed: chunks as before
 
 
 def test_snapkv_cuts_every_prompt_of_a_batch(tiny_model):

@@ -216,7 +216,7 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """The next prefill chunk of `seq` that fits the budget and the pool; tokens used."""
         cap = self.replay.prefill_cap(seq)  # (may move past a tail loaded from the session tier)
-        want = prompt_chunk(seq.num_uncomputed_tokens,
+        want = prompt_chunk(seq.num_uncomputed_tokens, self.policy,
                             min(seq.num_uncomputed_tokens, budget, cap if cap is not None else budget))
         chunk = self._fit_chunk(seq, want)
         if chunk:

@@ -25,11 +25,14 @@ import torch
 OBSERVED_QUERIES = 32  # SnapKV's observation window: the last queries of a prompt
 
 
-def prompt_chunk(uncomputed: int, want: int) -> int:
-    """A prompt chunk of at most `want` of its `uncomputed` tokens, shortened so that the chunk
-    that ends the prompt still holds its last OBSERVED_QUERIES queries (or, on a tiny budget,
-    at least two tokens): a prompt whose last token ran as a decode row would have its
-    observation and its cut at prefill (snapkv, trim="prefill") skipped."""
+def prompt_chunk(uncomputed: int, policy, want: int) -> int:
+    """A prompt chunk of at most `want` of its `uncomputed` tokens; under a policy that observes
+    attention (it drops or demotes middle blocks), shortened so that the chunk that ends the
+    prompt still holds its last OBSERVED_QUERIES queries (or, on a tiny budget, at least two
+    tokens): a prompt whose last token ran as a decode row would have its observation and its
+    cut at prefill (snapkv, trim="prefill") skipped."""
+    if not (policy.drops_middle or policy.demotes):
+        return want
     left = uncomputed - want
     if 0 < left < OBSERVED_QUERIES and want > OBSERVED_QUERIES - left:
         return want - (OBSERVED_QUERIES - left)
