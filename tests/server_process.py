@@ -97,3 +97,16 @@ class ServerProcess:
                 return state
             assert time.monotonic() < deadline, f"KV pool not clean after {timeout_s} s: {state}"
             time.sleep(0.2)
+
+
+def serving(*extra_args: str, check_exit: bool = True, **kwargs):
+    """The body of a server fixture: a healthy ServerProcess, stopped afterwards (its exit
+    status asserted 0 unless `check_exit` is False). Use as `yield from serving(...)`."""
+    proc = ServerProcess(*extra_args, **kwargs)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        status = proc.stop()
+        if check_exit:
+            assert status == 0, proc.log()

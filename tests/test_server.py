@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvreplay import SamplingParams
-from server_process import ServerProcess
+from server_process import serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,8 @@ CHAT_PATH = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
-                         "--served-model-name", "tiny", api_key=API_KEY)
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()
+    yield from serving("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
+                       "--served-model-name", "tiny", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

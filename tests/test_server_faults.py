@@ -16,7 +16,7 @@ import pytest
 
 from kvreplay import SamplingParams
 from kvreplay.server.protocol import MAX_PROMPTS
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +32,10 @@ PASTE = "hello " * 150_000  # 900 KB: under the 1 MiB body limit, far over the c
 @pytest.fixture(scope="module")
 def server():
     # 160MiB holds ~3,600 tokens: the SIGTERM test's two long streams run side by side
-    proc = ServerProcess("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
-                         "--max-seqs-per-request", str(MAX_SEQS_PER_REQUEST),
-                         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
-                         "--no-docs", kv_cache_memory="160MiB", api_key=API_KEY)
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
+                       "--max-seqs-per-request", str(MAX_SEQS_PER_REQUEST),
+                       "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
+                       "--no-docs", kv_cache_memory="160MiB", api_key=API_KEY, check_exit=False)
 
 
 def _requests_total(server: ServerProcess, path: str, status: int) -> float:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +26,8 @@ CHAT_PATH = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def server():
     # 160MiB holds ~3,600 tokens: all 64 chat requests (~40 tokens each) run in one batch
-    proc = ServerProcess("--debug-endpoints", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                         kv_cache_memory="160MiB")
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving("--debug-endpoints", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                       kv_cache_memory="160MiB", check_exit=False)
 
 
 def _counters(server: ServerProcess) -> dict[str, float]:

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from server_process import ServerProcess
+from server_process import serving
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--served-model-name", "x")
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.log()
+    yield from serving("--served-model-name", "x")
 
 
 @pytest.fixture(scope="module")
