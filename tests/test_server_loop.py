@@ -74,7 +74,7 @@ class FakeEngine:
 
 
 def _client(engine: FakeEngine) -> TestClient:
-    llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c: [0, 1, 2],
+    llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c, tools=None: [0, 1, 2],
                           system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0,
                           recent_rounds_start=lambda c: 1 if len(c) > 3 else None)
     return TestClient(build_app(AsyncEngine(llm), ServerConfig()))
