@@ -27,9 +27,9 @@ On a 2-core machine the client, the server's event loop, its tokenizing thread a
 thread share the cores: the gaps include the OS scheduling them.
 
 Usage:
-    python bench/stream_gaps.py [--clients 64] [--tokens 320] [--modes off,refused,tokenized]
+    python bench/stream_gaps.py [--clients 64] [--tokens 640] [--modes off,refused,tokenized]
         [--paste-bytes 1000000] [--paste-interval 0.5] [--pastes N] [--kv-cache-memory SIZE]
-        [--dtype bfloat16] [--json out.json]
+        [--dtype bfloat16] [--serve-args='--tokenize-nice 0'] [--json out.json]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -84,7 +85,7 @@ def server_args(mode: str, args) -> list[str]:
     if mode == "tokenized":
         raised = str(4 * args.paste_bytes)
         flags += ["--max-request-bytes", raised, "--max-prompt-bytes", raised]
-    return flags
+    return flags + shlex.split(args.serve_args)
 
 
 @contextlib.contextmanager
@@ -298,8 +299,10 @@ def print_table(results: list[dict]) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=64, help="concurrent streams (default: %(default)s)")
-    parser.add_argument("--tokens", type=int, default=320,
-                        help="tokens each stream generates (ignore_eos) (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=640,
+                        help="tokens each stream generates (ignore_eos); 64 streams decode 100-150 tok/s "
+                             "together on a shared 2-core CPU, so the default takes ~5 minutes a mode "
+                             "(default: %(default)s)")
     parser.add_argument("--modes", default="off,refused,tokenized",
                         help="paste modes, comma-separated, each with a fresh server (default: %(default)s)")
     parser.add_argument("--paste-bytes", type=int, default=1_000_000,
@@ -314,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's KV budget (default: the streams' tokens at the default model's "
                              "bf16 bytes per token, over 0.6 for the watermarks)")
     parser.add_argument("--model", default=None, help="the server's --model (default: its default)")
+    parser.add_argument("--serve-args", default="",
+                        help="more `kvreplay serve` flags, in one string: --serve-args='--tokenize-nice 0'")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", help="write the results (per stream and per paste too) here")
     args = parser.parse_args(argv)
