@@ -53,15 +53,16 @@ class AsyncEngine:
             count); more is a ValueError, so that one request cannot fill the queue.
         max_prompt_bytes: a prompt over this many bytes is refused before tokenizing
             (PromptPreparer; None: derived from the context length).
+        tokenize_nice: added to the tokenizing thread's OS niceness (PromptPreparer).
     """
 
     def __init__(self, llm: LLM, max_queued_seqs: int = 256, max_seqs_per_request: int = 64,
-                 max_prompt_bytes: int | None = None):
+                 max_prompt_bytes: int | None = None, tokenize_nice: int = 0):
         self.llm = llm
         self.engine = llm.engine
         self.max_queued_seqs = max_queued_seqs
         self.max_seqs_per_request = min(max_seqs_per_request, max_queued_seqs)
-        self.preparer = PromptPreparer(llm, max_prompt_bytes)
+        self.preparer = PromptPreparer(llm, max_prompt_bytes, tokenize_nice)
         self.num_queued_seqs = 0           # event-loop thread only
         self.accepting = True
         self.failure: BaseException | None = None

@@ -59,6 +59,10 @@ class ServerConfig:
               "one gets 400 at once", type=int,
         default_help=f"{PROMPT_BYTES_PER_TOKEN} bytes per token of the model's context",
         check=ints(1, optional=True))
+    tokenize_nice: int = knob(
+        10, "added to the OS niceness of the thread that tokenizes prompts (Linux), so that "
+            "tokenizing a long prompt slows the running streams less (it waits for them "
+            "instead); 0 leaves it at the server's", check=ints(0, 19))
     shutdown_timeout_s: float = knob(
         10.0, "seconds in-flight requests may run after SIGTERM (the port stays open meanwhile: "
               "/health and new requests get 503) before they are cut, ending with finish_reason "

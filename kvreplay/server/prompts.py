@@ -4,12 +4,17 @@ Rendering a chat template and tokenizing take time in proportion to the prompt: 
 thread, one pasted megabyte would stall every stream for seconds. So the event loop first refuses
 a prompt by its size in bytes (cheap, before any tokenizing), then a thread of this module's own,
 holding a private copy of the tokenizer (a tokenizer is not safe to share across threads), renders
-and tokenizes it and checks its length in tokens; the engine thread only queues the ids.
+and tokenizes it and checks its length in tokens; the engine thread only queues the ids. On a
+machine with few cores that thread still takes a core from the engine's while it works, so it runs
+at a lower OS priority (`tokenize_nice`): the streams keep their pace, a long prompt waits.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,6 +22,8 @@ import jinja2
 
 from kvreplay.server.config import PROMPT_BYTES_PER_TOKEN
 from kvreplay.server.generation import PromptTooLongError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,15 @@ class PromptPreparer:
         llm: the loaded model; only a view of it with its own tokenizer is used here.
         max_prompt_bytes: a prompt over this many UTF-8 bytes is refused before tokenizing
             (None: PROMPT_BYTES_PER_TOKEN per token of the context).
+        nice: added to the tokenizing thread's OS niceness (Linux: per thread; 0 leaves it).
     """
 
-    def __init__(self, llm, max_prompt_bytes: int | None = None):
+    def __init__(self, llm, max_prompt_bytes: int | None = None, nice: int = 0):
         self.max_model_len = llm.engine.max_model_len
         self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
         self._llm = _private_view(llm)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvreplay-tokenize")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvreplay-tokenize",
+                                            initializer=_lower_priority, initargs=(nice,))
 
     def check_sizes(self, prompts: list, chat: bool) -> None:
         """Refuse a prompt whose bytes (or token ids) cannot fit the context; cheap: no tokenizing."""
@@ -117,6 +126,18 @@ class PromptPreparer:
             raise PromptTooLongError(
                 f"the prompt has {num_tokens:,} tokens but the context is {self.max_model_len:,}: "
                 f"shorten it (leave room for one output token)")
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by `nice` (on Linux a thread's own; raising needs no
+    privilege)."""
+    if not nice or not hasattr(os, "setpriority"):
+        return
+    thread_id = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + nice)
+    except OSError as exc:
+        logger.warning("could not lower the tokenizing thread's priority: %s", exc)
 
 
 def _private_view(llm):

@@ -59,7 +59,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bo
     llm = LLM(**{name: getattr(engine_config, name) for name in engine_config.__dataclass_fields__})
     engine = AsyncEngine(llm, max_queued_seqs=config.max_queued_seqs,
                          max_seqs_per_request=config.max_seqs_per_request,
-                         max_prompt_bytes=config.max_prompt_bytes)
+                         max_prompt_bytes=config.max_prompt_bytes,
+                         tokenize_nice=config.tokenize_nice)
     app = build_app(engine, config)
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                     access_log=access_log,
