@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvreplay import SamplingParams
-from kvreplay.engine.grammar import grammar_of
+from kvreplay.engine.grammar import Constraint, _pack_bits, grammar_of
 from kvreplay.kernels import cpu_kernels
 from kvreplay.sampling import apply_token_bitmask, check_response_format
 from kvreplay.server.tools import parse_tool_calls, tool_response_format
@@ -36,6 +36,37 @@ def test_json_mode_returns_valid_json(llm32):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", completion.text  # the grammar ended it
         assert isinstance(json.loads(completion.text), dict), completion.text
+
+
+@pytest.mark.parametrize("max_tokens", [9, 14, 24])
+def test_json_mode_closes_the_value_within_max_tokens(llm32, max_tokens):
+    """The budget runs out mid-object: the last tokens close it instead of cutting it."""
+    question = _chat("Describe a fictional city in JSON with ten keys.")
+    free = llm32.chat(question, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                               response_format=JSON_OBJECT, ignore_eos=True))
+    completion = free.outputs[0]
+    assert len(completion.token_ids) <= max_tokens
+    assert isinstance(json.loads(completion.text), dict), completion.text
+
+
+def test_constraint_follows_strings_and_nesting():
+    constraint = Constraint(matcher=None)
+    constraint.feed(b'{"a": [1, {"b\\\\": "x"}')  # a key ending in an escaped backslash
+    assert (constraint.depth, constraint.in_string, constraint.escaped) == (2, False, False)
+    constraint.feed(b', "q\\')
+    assert (constraint.in_string, constraint.escaped) == (True, True)
+    constraint.feed(b'"{')  # an escaped quote, then a brace, both inside the string
+    assert (constraint.depth, constraint.in_string, constraint.escaped) == (2, True, False)
+    constraint.feed(b'"]')
+    assert (constraint.depth, constraint.in_string) == (1, False)
+    assert constraint.closing_cost() == 7
+
+
+def test_closing_bitmask_layout():
+    flags = torch.zeros(64, dtype=torch.bool)
+    flags[[0, 31, 33]] = True
+    words = _pack_bits(flags)
+    assert words.tolist() == [1 - 2**31, 2]
 
 
 def test_json_schema_keeps_required_keys_and_types(llm32):

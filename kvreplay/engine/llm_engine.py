@@ -120,7 +120,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests or request_id in self.sessions:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self.grammars.matcher(params.response_format) if params.response_format else None
+        grammar = self.grammars.constraint(params.response_format) if params.response_format else None
         if continues is not None:
             seq = self.sessions.resume(continues, request_id, token_ids, params, max_tokens,
                                        self.eos_token_ids, self._rng, hot_from)
@@ -140,7 +140,7 @@ class LLMEngine:
             seq.max_tokens = max_tokens
             seq.pinned_tokens = min(num_prompt, max(protected_tokens, self.config.sink_tokens))
             seq.hot_from = hot_from
-            seq.grammar = grammar.deep_copy() if grammar is not None else None  # one per branch
+            seq.grammar = grammar.copy() if grammar is not None else None  # one per branch
             seqs.append(seq)
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
@@ -282,7 +282,8 @@ class LLMEngine:
         params = [seq.params for seq in sampled]
         constrained = [row for row, seq in enumerate(sampled) if seq.grammar is not None]
         if constrained:  # never with `greedy`: a constrained row needs its logits
-            self.grammars.mask(logits, constrained, [sampled[row].grammar for row in constrained])
+            self.grammars.mask(logits, constrained, [sampled[row].grammar for row in constrained],
+                               [sampled[row].tokens_left(self.max_model_len) for row in constrained])
         tokens = logits if greedy else sample(logits, params, [seq.generator for seq in sampled])
         chosen_ids = tokens.tolist()  # one read of the tokens (one sync on a GPU)
         logprob_rows = rows_logprobs(logits, tokens, chosen_ids, params)

@@ -71,7 +71,7 @@ class Sequence:
                                          # its prefill is done
         self.beam = None  # the BeamGroup this sequence is a beam of (beam_width > 1)
         self.layered: LayeredPrefill | None = None  # a layered prefill under way
-        self.grammar = None  # structured output: its llguidance matcher (engine/grammar.py), dropped
+        self.grammar = None  # structured output: its Constraint (engine/grammar.py), dropped
                              # when the sequence finishes
         self.approx_from: int | None = None  # first position computed without some dropped range
 
@@ -91,6 +91,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens it may still sample, counting the next one: up to max_tokens or the context."""
+        return min(self.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
 
     @property
     def is_finished(self) -> bool:
