@@ -3,6 +3,7 @@ debug endpoint, a small queue) driven by the official `openai` client and raw HT
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -339,6 +340,11 @@ def test_version_and_docs_are_served_without_the_key(server):
     assert plain.get("/version").json() == {"version": kvreplay.__version__}
     page = plain.get("/docs")
     assert page.status_code == 200 and "swagger-ui" in page.text
+    # the page loads its scripts from this server (no CDN: it must render offline)
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sources and all(src.startswith("/docs/static/") for src in sources), sources
+    for src in sources:
+        assert plain.get(src).status_code == 200, src
     schema = plain.get("/openapi.json").json()
     assert {"/v1/tokenize", "/v1/detokenize", "/v1/chat/completions", "/version"} <= set(schema["paths"])
     assert schema["info"]["version"] == kvreplay.__version__

@@ -207,7 +207,7 @@ def test_bad_values_get_messages_that_name_them(server, path, body, words):
 def test_no_docs_turns_the_openapi_docs_off(server):
     """--no-docs: /docs and /openapi.json are neither open nor served (/version still is)."""
     plain = httpx.Client(base_url=server.base_url, timeout=30)
-    for path in ("/docs", "/openapi.json"):
+    for path in ("/docs", "/openapi.json", "/docs/static/swagger-ui.css"):
         assert plain.get(path).status_code == 401  # no longer an open path
         _assert_openai_error(server.get(path), 404, "invalid_request_error")
     assert plain.get("/version").status_code == 200

@@ -1,6 +1,6 @@
 """The FastAPI app: auth, errors in the OpenAI shape, and the small routes (models, health,
 version, metrics, debug). The generation endpoints live in `completions.py`, the tokenizer's in
-`tokenize.py`; FastAPI serves the OpenAPI docs at /docs unless `--no-docs`."""
+`tokenize.py`; the OpenAPI docs at /docs (`docs_page.py`) unless `--no-docs`."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +17,8 @@ from kvreplay import __version__
 from kvreplay.server.async_engine import AsyncEngine
 from kvreplay.server.completions import router
 from kvreplay.server.config import ServerConfig
+from kvreplay.server.docs_page import PATHS as DOCS_PATHS
+from kvreplay.server.docs_page import STATIC_PREFIX as DOCS_STATIC, add_docs
 from kvreplay.server.formatting import TokenFormatter, error_body
 from kvreplay.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvreplay.server.state import ApiError, ServerState
@@ -25,7 +27,6 @@ from kvreplay.server.tokenize import router as tokenize_router
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")  # FastAPI's Swagger UI and schema
 
 
 class _Gatekeeper:
@@ -41,6 +42,7 @@ class _Gatekeeper:
         self.app = app
         self.key = config.api_key.encode() if config.api_key else None
         self.open_paths = {"/health", "/version"}
+        self.open_prefix = DOCS_STATIC if config.docs else None
         if config.metrics_public:
             self.open_paths.add("/metrics")
         if config.docs:
@@ -53,7 +55,8 @@ class _Gatekeeper:
         path = scope["path"]
         if path in GENERATION_PATHS:
             send = self._counting(path, send)
-        if self.key is not None and path not in self.open_paths:
+        if (self.key is not None and path not in self.open_paths
+                and not (self.open_prefix and path.startswith(self.open_prefix))):
             error = self._check_key(scope["headers"])
             if error is not None:
                 return await error.response()(scope, receive, send)
@@ -91,8 +94,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvreplay", version=__version__, lifespan=lifespan, redoc_url=None,
                   description="OpenAI-compatible server of kvreplay (docs/architecture.md §7)",
-                  docs_url="/docs" if config.docs else None,
-                  openapi_url="/openapi.json" if config.docs else None)
+                  docs_url=None, openapi_url="/openapi.json" if config.docs else None)
+    if config.docs:
+        add_docs(app)
     app.state.server = ServerState(config, engine, metrics, TokenFormatter(engine.llm.tokenizer),
                                    int(time.time()))
     app.add_middleware(_Gatekeeper, config=config, metrics=metrics)
