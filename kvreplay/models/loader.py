@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvreplay.models.chat_templates import read_chat_template
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.hub_cache import find_cached_model, is_repo_id
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
@@ -99,9 +100,11 @@ def read_model_config(model: str | None) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), {t.name for t in reader.tensors})
 
 
-def load_model(model: str | None) -> LoadedModel:
+def load_model(model: str | None, chat_template: str | None = None) -> LoadedModel:
     """Weights and tokenizer of `model` (see resolve_model_path), logged as they load: a line
-    before, a progress bar over the tensors on a terminal, a line with the time taken."""
+    before, a progress bar over the tensors on a terminal, a line with the time taken.
+    `chat_template` (a file or a shipped name, models/chat_templates.py) replaces the model's."""
+    template = read_chat_template(chat_template) if chat_template else None
     path = resolve_model_path(model)
     if not os.path.isdir(path) and not path.endswith(".gguf"):
         raise ValueError(f"don't know how to load {path!r}: expected a .gguf file or a directory "
@@ -112,6 +115,8 @@ def load_model(model: str | None) -> LoadedModel:
     num_bytes = sum(tensor.nbytes for tensor in loaded.weights.values())
     logger.info("loaded %d tensors (%.0f MiB as float32) and the tokenizer in %.1f s",
                 len(loaded.weights), num_bytes / 2**20, time.perf_counter() - started)
+    if template is not None:
+        loaded.tokenizer.chat_template = template
     return loaded
 
 

@@ -21,7 +21,7 @@ from kvreplay.server.generation import (EngineUnavailableError, Generation, Prom
                                         QueueFullError)
 from kvreplay.server.formatting import ChoiceStream, error_body, finish_fields, usage
 from kvreplay.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from kvreplay.server.tools import parse_tool_calls, tool_response_format
+from kvreplay.server.tools import ToolCallStream, parse_tool_calls, tool_response_format
 
 router = APIRouter()
 RETRY_AFTER_S = 1  # a full queue's Retry-After: sequences finish every engine step
@@ -34,6 +34,7 @@ class _ChatShape:
     def __init__(self, state: ServerState, num_top: int | None, tools: list[dict] | None = None):
         self.formatter, self.num_top = state.formatter, num_top
         self.tool_names = {tool["function"]["name"] for tool in tools or []}
+        self.tool_streams: dict[int, ToolCallStream] = {}  # streamed choices, by index
 
     def choice(self, index: int, completion: CompletionOutput) -> dict:
         logprobs = None
@@ -59,8 +60,13 @@ class _ChatShape:
         logprobs = None
         if self.num_top is not None:
             logprobs = self.formatter.chat_logprobs(token_ids, entries, self.num_top)
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                **finish_fields(finish_reason)}
+        delta, finish = ({"content": text} if text else {}), finish_fields(finish_reason)
+        if self.tool_names:
+            held = self.tool_streams.setdefault(index, ToolCallStream(self.tool_names))
+            delta, called = held.delta(text, finish_reason is not None)
+            if called and finish_reason == "stop":
+                finish = {"finish_reason": "tool_calls"}
+        return {"index": index, "delta": delta, "logprobs": logprobs, **finish}
 
 
 class _CompletionShape(_ChatShape):
@@ -120,8 +126,6 @@ def _tools(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None
         raise ApiError(400, "this model's chat template does not take tools, so tool calling is "
                             "not available with it: leave out 'tools' (or set tool_choice to "
                             "'none'), or serve a model whose template renders them", "tools")
-    if body.stream:
-        raise ApiError(400, "tool calls are not streamed: use stream=false with tools", "stream")
     return tools
 
 

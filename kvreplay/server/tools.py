@@ -8,6 +8,8 @@ writes its calls in the format its template taught it and `parse_tool_calls` rea
 ones: Hermes / Qwen `<tool_call>{...}</tool_call>` blocks, or a reply that is a JSON call object
 (or a list of them) as Llama 3.x writes. With `"required"` or a named function the reply is
 constrained (engine/grammar.py) to a JSON call `{"name": ..., "arguments": {...}}`.
+Streamed, a reply that starts like a call is held back and sent as `tool_calls` deltas when it
+ends (`ToolCallStream`); any other reply streams as content.
 """
 from __future__ import annotations
 
@@ -59,6 +61,38 @@ def tool_response_format(tools: list[dict], tool_choice) -> dict | None:
     response_format = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
     grammar_of(response_format)  # a tool's parameters that cannot be enforced: ValueError
     return response_format
+
+
+class ToolCallStream:
+    """One streamed choice of a request with tools. Its text is held while it may be a call (its
+    first characters are `<tool_call>`'s, `{` or `[`), else streamed as content as it comes; held
+    text becomes `tool_calls` deltas at the end when it parses as calls, else content."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.text = ""
+        self.holding: bool | None = None  # None: not decided yet
+
+    def delta(self, text: str, finished: bool) -> tuple[dict, bool]:
+        """The chunk's delta for new `text` (whether the reply ended here), and whether it sent
+        tool calls."""
+        self.text += text
+        if self.holding is None:
+            start = self.text.lstrip()
+            if start:
+                self.holding = start[0] in "{[" or "<tool_call>".startswith(start[:11])
+            elif not finished:
+                return {}, False
+        if not self.holding:
+            sent, self.text = self.text, ""
+            return ({"content": sent} if sent else {}), False
+        if not finished:
+            return {}, False
+        content, calls = parse_tool_calls(self.text, self.names)
+        if not calls:
+            return {"content": self.text}, False
+        return {"content": content, "tool_calls": [{"index": i, **call.as_openai()}
+                                                   for i, call in enumerate(calls)]}, True
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
