@@ -83,9 +83,9 @@ def test_a_request_is_the_same_alone_among_others_and_on_any_thread_count(tiny_m
         assert alone["dropped_tokens"] + alone["cold_blocks"] > 0, alone
     if policy in ("replay", "replay+cold"):
         assert alone["replays"] > 0, alone  # and the need detector brought blocks back
-    runs = {(1, "others"): _run(tiny_model, policy, 1, company=3),
-            (1, "late"): _run(tiny_model, policy, 1, company=4, late=True),
-            (2, "alone"): _run(tiny_model, policy, 2, None),
+    # (company that starts late on one thread, company from the start on two: the three things
+    # that may not matter, in two runs)
+    runs = {(1, "late"): _run(tiny_model, policy, 1, company=4, late=True),
             (2, "others"): _run(tiny_model, policy, 2, company=5)}
     for key, out in runs.items():
         assert _own(out) == alone, f"{policy}, {key}"

@@ -35,6 +35,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from kvreplay import LLM, SamplingParams
+from kvreplay.engine.beam import worst_case_blocks
 from kvreplay.kv.policy import middle_block_range
 from kvreplay.kv.tiers import DROPPED
 
@@ -107,8 +108,6 @@ class EngineMachine(RuleBasedStateMachine):
                        max_num_seqs=max_seqs, replay_threshold=threshold, seed=0)
         self.engine = self.llm.engine
         self.capacity = min(self.engine.kv.capacity_tokens, MAX_CONTEXT)
-        if self.engine.config.kv_policy.keeps_key_index:  # a lone sequence filling the pool cannot
-            self.capacity -= 2 * block_size                # replay: the second xfail test at the end
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.live) < 6)
@@ -123,8 +122,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_seed += 1
         if beam > 1:
             n, stop, temperature = 1, None, 0.0
-        if beam * (len(prompt) + max_tokens) > 0.6 * self.capacity:
-            beam = 1  # beams that outgrow the pool's watermarks deadlock: the xfail test at the end
+        if worst_case_blocks(len(prompt), max_tokens, beam, self.engine.kv.block_size) > self.engine.kv.num_blocks:
+            beam = 1  # (refused when added: test_beams_that_cannot_fit_the_pool_are_refused)
         keep = keep and n == 1 and beam == 1
         params = SamplingParams(max_tokens=max_tokens, n=n, beam_width=beam, stop=stop, temperature=temperature,
                                 seed=1000 + self.next_seed if seeded else None, ignore_eos=ignore_eos)
@@ -354,11 +353,6 @@ def test_engine_state_machine_long(tiny_model):
 
 
 # ---------------------------------------------------------------------------- reproducers found
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "beam search deadlocks when its beams outgrow the high watermark: reclaim pauses one beam, the "
-    "running beam then waits for its sibling at the group's next step while the paused one waits "
-    "for room the running one holds (the engine asserts 'running work but nothing scheduled'); "
-    "a fix pauses a beam group as a unit or refuses beams that cannot fit together (open)"))
 def test_beam_search_outgrowing_the_high_watermark_finishes(tiny_model):
     """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 1-token request
     and two beams over a 227-token prompt (each fits the pool; together they pass `high`)."""
@@ -376,12 +370,16 @@ def test_beam_search_outgrowing_the_high_watermark_finishes(tiny_model):
     assert done[beams].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a lone sequence that fills the pool cannot replay: the key index's reserved block stands for "
-    "the very block the replay would bring back, so allocate_restore finds no free block, nobody "
-    "else can be trimmed or paused, and the sequence neither replays nor decodes (the engine "
-    "asserts 'running work but nothing scheduled'); a fix lets the replay take the block its "
-    "index slot frees, or gives the need up and decodes approximately (open)"))
+def test_beams_that_cannot_fit_the_pool_are_refused(tiny_model):
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="128KiB", block_size=8)
+    engine = llm.engine
+    assert worst_case_blocks(227, 8, 2, 8) == 32 == engine.kv.num_blocks  # fits exactly (the test above)
+    with pytest.raises(ValueError, match="may need 34 KV blocks, and the pool has 32"):
+        engine.add_request(_tokens(227, 2), SamplingParams(max_tokens=8, beam_width=3))
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
 def test_a_lone_sequence_filling_the_pool_can_still_replay(tiny_model):
     """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 248-token prompt
     with 8 tokens to generate under `replay` at r=0.5, the detector forced at a few steps."""
@@ -397,3 +395,4 @@ def test_a_lone_sequence_filling_the_pool_can_still_replay(tiny_model):
         done.update((out.request_id, out) for out in engine.step())
         engine.check_integrity()
     assert done[request_id].outputs[0].finish_reason == "length"
+    assert done[request_id].stats.replays > 0  # it replayed, through the blocks its index slots stood for

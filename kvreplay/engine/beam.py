@@ -14,6 +14,12 @@ length_penalty=1.0, early_stopping=False):
         current length, cannot beat the worst of them
 
 The result is the best finished beam.
+
+Beams step together, so one paused beam would stall its group while the group holds the room it
+needs to come back: beams are never paused. Instead a group is admitted only when its worst case
+(`BeamGroup.max_blocks`: the prompt's full blocks shared, each beam's own tail to max_tokens) fits
+the pool beside the other running groups' (`beams_fit`), and a request whose worst case exceeds
+the whole pool is refused when it is added.
 """
 from __future__ import annotations
 
@@ -57,6 +63,19 @@ class BeamGroup:
     finished: list[tuple[float, list[int]]] = field(default_factory=list)  # best first, <= width
     done: bool = False
     _heuristic_open: bool = True
+    max_blocks: int = 0  # the group's KV blocks at most (worst_case_blocks)
+
+    @classmethod
+    def start(cls, seq: Sequence, max_tokens: int, num_blocks: int, block_size: int) -> "BeamGroup":
+        """The group of `seq`'s beams; ValueError when even the whole pool cannot hold them."""
+        width = seq.params.beam_width
+        need = worst_case_blocks(seq.num_prompt_tokens, max_tokens, width, block_size)
+        if need > num_blocks:
+            raise ValueError(f"beam search of width {width} over {seq.num_prompt_tokens} prompt tokens "
+                             f"with max_tokens={max_tokens} may need {need} KV blocks, and the pool "
+                             f"has {num_blocks}: lower beam_width or max_tokens, or give the KV "
+                             "cache more memory")
+        return cls(width, max_tokens, seq.stop_ids, live=[seq], max_blocks=need)
 
     def receive(self, seq: Sequence, logits: torch.Tensor) -> None:
         self.pending[seq.seq_id] = torch.log_softmax(logits.float(), dim=-1)
@@ -94,6 +113,22 @@ class BeamGroup:
 
     def best(self) -> list[int]:
         return self.finished[0][1]
+
+
+def worst_case_blocks(prompt_tokens: int, max_tokens: int, width: int, block_size: int) -> int:
+    """Blocks `width` beams hold at most: the prompt's full blocks once (shared), and each beam's
+    own blocks from there to prompt + max_tokens tokens."""
+    shared = prompt_tokens // block_size
+    return shared + width * (-(-(prompt_tokens + max_tokens) // block_size) - shared)
+
+
+def beams_fit(seq: Sequence, running: list[Sequence], num_blocks: int) -> bool:
+    """Whether `seq` (to be admitted) may start: a beam group's worst case, with those of the
+    groups already running, fits the pool (other sequences can be paused for them)."""
+    if seq.beam is None:
+        return True
+    groups = {id(other.beam): other.beam.max_blocks for other in running if other.beam is not None}
+    return sum(groups.values()) + seq.beam.max_blocks <= num_blocks
 
 
 def step_beams(engine: BeamHost, logits: torch.Tensor, sampled: list[Sequence],

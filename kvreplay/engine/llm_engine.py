@@ -145,7 +145,7 @@ class LLMEngine:
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
         if params.beam_width > 1:
-            seqs[0].beam = BeamGroup(params.beam_width, max_tokens, seqs[0].stop_ids, live=[seqs[0]])
+            seqs[0].beam = BeamGroup.start(seqs[0], max_tokens, self.kv.num_blocks, self.kv.block_size)
         self.scheduler.add(seqs[0])
         self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              token_ids, seqs, stream, keep)

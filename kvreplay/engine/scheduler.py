@@ -24,9 +24,10 @@ A pause keeps the pinned head (protected span, sinks) or nothing; the KV manager
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
+from kvreplay.engine.batch import ReplayChunk, ScheduledBatch
+from kvreplay.engine.beam import beams_fit
 from kvreplay.engine.reclaim import Reclaimer
 from kvreplay.engine.replay import ReplayTracker
 from kvreplay.engine.sequence import LayeredPrefill, Sequence, SequenceStatus
@@ -41,32 +42,6 @@ from kvreplay.kv.policy import POLICIES, KVPolicy, Watermarks, middle_block_rang
 # prompt's observed attention lie in the middle's last 16 blocks (bench note in
 # docs/benchmarks/replay.md).
 HEAVY_CANDIDATES = 8
-
-
-@dataclass
-class ReplayChunk:
-    """Dropped blocks `block_indices` of `seq`, recomputed at positions [start, start + num_tokens)."""
-    seq: Sequence
-    start: int
-    num_tokens: int
-    block_indices: list[int]
-
-
-@dataclass
-class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
-    replays: list[ReplayChunk] = field(default_factory=list)
-    layers: list[tuple[Sequence, range]] = field(default_factory=list)  # layered prefills' layers
-    paused: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills) + \
-            sum(r.num_tokens for r in self.replays)
-
-    def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills or self.replays or self.layers)
 
 
 class Scheduler:
@@ -184,6 +159,8 @@ class Scheduler:
                                                        self.policy.keeps_key_index, self._layered_bytes(seq))
             else:
                 projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
+            if not beams_fit(seq, self.running, self.kv.num_blocks):
+                break  # (beams are never paused: engine/beam.py)
             if self.running:
                 if committed + projected > admit_blocks:  # trim="admission" makes room, or it waits
                     committed -= self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1)
@@ -292,7 +269,7 @@ class Scheduler:
             if victim is not None:
                 self._pause(victim, batch)
             else:
-                blocks = blocks[:self.kv.num_free_blocks]
+                blocks = blocks[:self.kv.restore_room(seq.seq_id, blocks)]
         if not blocks:
             return 0
         self.replay.start(seq, self.num_steps)
@@ -338,7 +315,7 @@ class Scheduler:
         """The running sequence with the fewest replay tokens per byte freed; ties: the newest."""
         best, best_key = None, None
         for seq in self.running:
-            if seq.seq_id in exclude:
+            if seq.seq_id in exclude or seq.beam is not None:  # beams step together: never paused
                 continue
             replay_tokens, freed_blocks = self.kv.pause_preview(seq.seq_id, self.keep_pinned)
             cost = pause_cost(replay_tokens, freed_blocks * self.block_bytes)

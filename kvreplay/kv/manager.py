@@ -366,6 +366,7 @@ class KVManager:
     drop_cold = _forward("tiers", TierMoves.drop_cold)
     drop = _forward("tiers", TierMoves.drop)
     restore_cached = _forward("tiers", TierMoves.restore_cached)
+    restore_room = _forward("tiers", TierMoves.restore_room)
     allocate_restore = _forward("tiers", TierMoves.allocate_restore)
     finish_restore = _forward("tiers", TierMoves.finish_restore)
     num_blocks_layered = _forward("layered", LayeredPrefills.num_blocks)

@@ -188,15 +188,37 @@ class TierMoves:
             self.kv._note_peak()
         return restored
 
+    def restore_room(self, seq_id: int, block_indices: list[int]) -> int:
+        """How many of `block_indices` (dropped, in order) the pool can take back now: its free
+        blocks, plus reserved ones that the restored blocks' index slots stop needing. Without
+        the latter a sequence that fills the pool alone could never replay: the block it needs
+        back is the one reserved for its index slot."""
+        records = self.records.get(seq_id, {})
+        room = self.kv.pool.num_free
+        for taken, index in enumerate(block_indices):
+            if taken >= room + len(self.reserved) - self._reserve_after(seq_id, block_indices[:taken + 1]):
+                return taken
+            assert index in records, f"seq {seq_id}: block {index} is not dropped"
+        return len(block_indices)
+
+    def _reserve_after(self, seq_id: int, block_indices: list[int]) -> int:
+        """The reservation once `block_indices` are restored and their index slots forgotten."""
+        records = self.records[seq_id]
+        slots = sum(records[index].slot is not None for index in block_indices)
+        index_bytes = (self.kv.key_index.num_used - slots) * self.kv.key_index.slot_bytes
+        return -(-(index_bytes + self.kv.cold_bytes) // self.kv.block_bytes)
+
     def allocate_restore(self, seq_id: int, block_indices: list[int]) -> bool:
         """Fresh blocks for dropped table indices about to be replayed; False (no change) when
-        the pool lacks them."""
-        if len(block_indices) > self.kv.pool.num_free:
+        the pool lacks them. Blocks beyond the free ones come out of the reservation that the
+        restore releases (`restore_room`): until `finish_restore` forgets their index slots in
+        the same step, the index's bytes and the restored blocks both count."""
+        if len(block_indices) > self.restore_room(seq_id, block_indices):
             return False
         table = self.kv._tables[seq_id]
         for index in block_indices:
             assert table[index] == DROPPED, f"seq {seq_id}: block {index} is not dropped"
-            table[index] = self.kv.pool.take()
+            table[index] = self.kv.pool.take() if self.kv.pool.num_free else self.reserved.pop()
         self.kv._note_peak()
         return True
 
