@@ -236,7 +236,7 @@ class EngineConfig:
     kv_tier_memory: int | str = knob(
         0, "session tier: host memory for blocks evicted from the pool (bytes or a size like "
            "2GiB; 0: off), read back on a prefix miss, replay or resume when cheaper than "
-           "recomputing", check=lambda name, value, owner: parse_budget(name, value),
+           "recomputing", type=str, check=lambda name, value, owner: parse_budget(name, value),
         parsed="kv_tier_memory_bytes")
     kv_tier_disk: int | str = knob(
         "8GiB", "session tier: bytes of block files under kv_tier_dir (used only with a "

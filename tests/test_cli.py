@@ -139,3 +139,15 @@ def test_a_mistyped_environment_switch_is_one_clear_line(name, value):
     assert result.returncode == 2, result.stderr[-2000:]
     assert name in result.stderr and repr(value) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_every_byte_size_flag_takes_a_size_with_a_unit():
+    """A knob whose help offers 'a size like 2GiB' must take one on the command line (the flag's
+    type once came from an integer default and refused '16MiB')."""
+    from kvreplay.cli import build_parser
+    from kvreplay.commands.flags import engine_config_from_args
+    sizes = {"--kv-cache-memory": "48MiB", "--kv-tier-memory": "16MiB", "--kv-tier-disk": "1GiB"}
+    args = build_parser().parse_args(["serve", *(x for pair in sizes.items() for x in pair)])
+    config = engine_config_from_args(args)
+    assert (config.kv_cache_bytes, config.kv_tier_memory_bytes, config.kv_tier_disk_bytes) == (
+        48 << 20, 16 << 20, 1 << 30)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,6 +139,28 @@ def test_torn_and_corrupted_files_are_discarded(tmp_path):
     again = _tier(tmp_path, disk_blocks=8)  # a restart finds the torn one by its length
     assert set(again.disk) == {2} and again.stats["corrupted"] == 1 and not torn.exists()
     assert tier.get(0, (0,) * BLOCK) is None and tier.stats["corrupted"] == 2
+
+
+def test_a_killed_writers_temporaries_are_deleted_at_restart_and_never_loaded(tmp_path):
+    """kill -9 in the middle of write_block leaves `<file>.<pid>.tmp` (or the cost probe's file):
+    the next start deletes those of processes that no longer run, and leaves a live writer's."""
+    tier = _tier(tmp_path, disk_blocks=8)
+    tier.put(0, (0,) * BLOCK, torch.randn(SHAPE))
+    tier.flush()
+    whole = tier.disk[0].path
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    half = whole.read_bytes()[: len(whole.read_bytes()) // 2]
+    killed = whole.with_name(f"{whole.stem}9.kvt.{dead_pid}.tmp")
+    probe = whole.with_name(f".probe-{dead_pid}.kvt.tmp")
+    live = whole.with_name(f"{whole.stem}8.kvt.{os.getppid()}.tmp")
+    for path in (killed, probe, live):
+        path.write_bytes(half)
+    again = _tier(tmp_path, disk_blocks=8)
+    assert set(again.disk) == {0} and again.stats["corrupted"] == 2
+    assert not killed.exists() and not probe.exists() and live.exists()
+    again.check_integrity()
 
 
 # ---------------------------------------------------------------------- with the KV manager

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import time
 import weakref
@@ -146,8 +147,12 @@ def read_block(path: Path, stamp: dict, block_hash: int, tokens: tuple[int, ...]
 def scan(directory: Path, digest: str, stamp: dict, shape: tuple[int, ...]) -> tuple[list, int, int]:
     """This stamp's whole block files under `directory`, oldest first, as (hash, path, size);
     with how many files were ignored (another stamp's or shape's: left alone) and how many were
-    torn (deleted)."""
+    torn (deleted; a temporary file whose writer no longer runs counts as torn)."""
     found, ignored, torn = [], 0, 0
+    for path in directory.glob("*.tmp"):
+        if not _writer_alive(path.name):  # a writer killed mid-write (kill -9) left it
+            torn += 1
+            remove(path)
     for path in directory.glob(f"*{SUFFIX}"):
         if not path.name.startswith(digest + "-"):
             ignored += 1
@@ -162,6 +167,24 @@ def scan(directory: Path, digest: str, stamp: dict, shape: tuple[int, ...]) -> t
             info = path.stat()
             found.append((info.st_mtime, int(header[0]["hash"]), path, info.st_size))
     return [(block_hash, path, size) for _, block_hash, path, size in sorted(found)], ignored, torn
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that names itself in a temporary file's name still runs (write_block's
+    `<file>.<pid>.tmp`, the probe's `.probe-<pid>.kvt.tmp`); names without a pid count as alive."""
+    found = re.search(r"\.(\d+)\.tmp$", name) or re.search(r"^\.probe-(\d+)", name)
+    if found is None:
+        return True
+    pid = int(found.group(1))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def probe_read_seconds(directory: Path, payload: bytes | memoryview) -> float:
