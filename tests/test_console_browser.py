@@ -104,3 +104,37 @@ def test_console_chats_and_shows_a_bar_go_from_hot_to_dropped(server, browser):
         page.close()
     assert not errors, errors
     assert requested and all(url.startswith(server.base_url + "/") for url in requested), requested
+
+
+def test_kv_map_snapshot_replays_in_the_browser(browser, tiny_model, tmp_path):
+    """The `bench serve --kv-map` page opens from disk, fetches nothing, and its scrubber shows
+    a recorded state's bars."""
+    from kvreplay import LLM, SamplingParams
+    from kvreplay.bench.kv_map import KVMapRecorder
+    from kvreplay.server.console import snapshot_page
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="1MiB", policy="replay",
+              trim="prefill", window_tokens=16, need_layers="all", heavy_tokens=0)
+    recorder = KVMapRecorder(interval_s=0)
+    engine = llm.engine
+    for count in (90, 140):
+        engine.add_request(list(range(200, 200 + count)), SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        recorder.record(engine, engine.step(), float(engine.counters.steps))
+    path = tmp_path / "kv-map.html"
+    path.write_text(snapshot_page(recorder.states, title="tiny run"))
+    page = browser.new_page(viewport={"width": 1200, "height": 700})
+    requested, errors = [], []
+    page.on("request", lambda request: requested.append(request.url))
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    try:
+        page.goto(path.as_uri())
+        assert page.inner_text("#status") == f"recorded: {len(recorder.states)} states"
+        assert page.is_visible("#scrub") and not page.is_visible("#chat")
+        page.fill("#scrub", "1")
+        assert page.locator(".req").count() == 2
+        assert page.locator(".bar span[data-zone='dropped']").count() == 2
+        page.screenshot(path=str(_artifact_dir() / "kv-map.png"), full_page=True)
+    finally:
+        page.close()
+    assert not errors, errors
+    assert requested == [path.as_uri()], requested

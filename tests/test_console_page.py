@@ -70,3 +70,24 @@ def test_snapshot_page_embeds_states_and_fetches_nothing():
     assert "default-src 'none'" in page
     blob = re.search(r'<script id="kv-states" type="application/json">(.*?)</script>', page, re.S)
     assert json.loads(blob.group(1)) == {"title": "run", "states": states}
+
+
+def test_bench_serve_writes_a_kv_map(tiny_model, tmp_path):
+    """`bench serve --kv-map`: the page with the run's states, from the first step to the end."""
+    from kvreplay.cli import main
+    out = tmp_path / "map.html"
+    assert main(["bench", "serve", "--model", tiny_model, "--num-requests", "3", "--length-scale", "0.25",
+                 "--output-tokens", "6", "--num-warmup", "0", "--kv-cache-memory", "4MiB", "--dtype", "float32",
+                 "--policy", "replay", "--trim", "prefill", "--window-tokens", "16",
+                 "--need-layers", "all", "--heavy-tokens", "0", "--no-progress",
+                 "--kv-map", str(out)]) == 0
+    page = out.read_text()
+    blob = re.search(r'<script id="kv-states" type="application/json">(.*?)</script>', page, re.S)
+    states = json.loads(blob.group(1))["states"]
+    assert states[0]["sequences"] and not states[-1]["sequences"]
+    assert states[-1]["totals"]["completion_tokens"] == 18, states[-1]["totals"]
+    assert [s["time"] for s in states] == sorted(s["time"] for s in states)
+    for seq in (seq for state in states for seq in state["sequences"]):
+        assert sum(count for _, count in seq["runs"]) == seq["num_tokens"]
+    assert any(zone == "dropped" for state in states[:1] for seq in state["sequences"]
+               for zone, _ in seq["runs"])

@@ -7,7 +7,7 @@ with `AsyncEngine.call`; the bench calls it after each step). A sequence becomes
 `[zone, tokens]` from position 0 (docs/architecture.md §4 names the zones):
 
     | sinks | protected | hot / heavy / cold / dropped / evicted / replaying ... | window | pending |
-    0       sink_tokens  pinned                                  middle_range.stop       computed
+    0       sink_tokens  pinned (its last block whole)            middle_range.stop       computed
 
 `dropped` blocks keep their keys in the key index (a replay may bring them back), `evicted` ones
 do not, `replaying` ones are dropped blocks a replay under way is bringing back, and `pending`
@@ -87,12 +87,16 @@ def zone_runs(engine, seq, replaying: set[int]) -> list[list]:
     cold = set(kv.cold_blocks(seq_id))
     indexed = {index for index, _ in kv.indexed_blocks(seq_id)}
     moves_middle = reclaim.policy.drops_middle or reclaim.policy.demotes
-    window_from = reclaim.middle_range(seq).stop if moves_middle else len(table)
+    middle = reclaim.middle_range(seq)
+    window_from = middle.stop if moves_middle else len(table)
+    head_blocks = -(-seq.pinned_tokens // block_size)  # kept whole through a pause
     heavy = set(reclaim.heavy_hitters(seq)) if moves_middle and reclaim.heavy_blocks else set()
     sinks = min(engine.config.sink_tokens, seq.pinned_tokens)
     computed = seq.num_computed_tokens
 
     def block_zone(index: int) -> str:
+        if index < head_blocks:  # the rest of the pinned head's last block
+            return "protected" if seq.pinned_tokens > sinks else "sinks"
         if index in dropped:
             if index in cold:
                 return "cold"
