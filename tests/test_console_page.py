@@ -91,3 +91,38 @@ def test_bench_serve_writes_a_kv_map(tiny_model, tmp_path):
         assert sum(count for _, count in seq["runs"]) == seq["num_tokens"]
     assert any(zone == "dropped" for state in states[:1] for seq in state["sequences"]
                for zone, _ in seq["runs"])
+
+
+def test_kv_map_polls_a_server_until_stopped():
+    """`bench serve --url ... --kv-map`: the server's /v1/kv/state, read until the run ends."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvreplay.bench.kv_map import poll_server
+    paths = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            paths.append(self.path)
+            body = json.dumps({"time": len(paths)}).encode()
+            self.send_response(200 if len(paths) != 2 else 503)  # a failed read is skipped
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    states, stop = [], threading.Event()
+    poller = threading.Thread(target=poll_server, args=(f"http://127.0.0.1:{server.server_port}/",
+                                                        states, stop, 0.02))
+    poller.start()
+    while len(paths) < 4:
+        stop.wait(0.01)
+    stop.set()
+    poller.join(timeout=5)
+    server.shutdown()
+    assert not poller.is_alive() and set(paths) == {"/v1/kv/state"}
+    assert states[:3] == [{"time": 1}, {"time": 3}, {"time": 4}]
