@@ -35,7 +35,8 @@ def server():
     yield from serving("--debug-endpoints", "--max-queued-seqs", str(MAX_QUEUED_SEQS),
                        "--max-seqs-per-request", str(MAX_SEQS_PER_REQUEST),
                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
-                       "--no-docs", kv_cache_memory="160MiB", api_key=API_KEY, check_exit=False)
+                       "--no-docs", "--no-console", kv_cache_memory="160MiB", api_key=API_KEY,
+                       check_exit=False)
 
 
 def _requests_total(server: ServerProcess, path: str, status: int) -> float:
@@ -211,6 +212,17 @@ def test_no_docs_turns_the_openapi_docs_off(server):
         assert plain.get(path).status_code == 401  # no longer an open path
         _assert_openai_error(server.get(path), 404, "invalid_request_error")
     assert plain.get("/version").status_code == 200
+
+
+def test_no_console_turns_the_web_console_off(server):
+    """--no-console: /, /console and its files are neither open nor served; /v1/kv/state stays
+    an API route behind the key."""
+    plain = httpx.Client(base_url=server.base_url, timeout=30)
+    for path in ("/", "/console", "/console/console.js"):
+        assert plain.get(path).status_code == 401
+        _assert_openai_error(server.get(path), 404, "invalid_request_error")
+    assert plain.get("/v1/kv/state").status_code == 401
+    assert server.get("/v1/kv/state").json()["pool"]["num_blocks"] > 0
 
 
 def test_the_largest_seed_is_served(server):

@@ -62,8 +62,9 @@ def _drain(engine, requests: list[BenchRequest]) -> None:
 
 def run_in_process(engine, requests: list[BenchRequest], warmup: list[BenchRequest] = (),
                    label: str = "kvreplay", progress: bool = True, on_step=None,
-                   clock=time.perf_counter) -> ServeRun:
-    """Run `warmup` untimed, then `requests` at their arrival times. `engine` must be idle."""
+                   clock=time.perf_counter, kv_map=None) -> ServeRun:
+    """Run `warmup` untimed, then `requests` at their arrival times. `engine` must be idle.
+    `kv_map` (a bench.kv_map.KVMapRecorder) records the KV map after the timed steps."""
     from tqdm import tqdm
     assert not engine.has_unfinished_requests(), "the engine must be idle before a bench run"
     _drain(engine, list(warmup))
@@ -105,6 +106,10 @@ def run_in_process(engine, requests: list[BenchRequest], warmup: list[BenchReque
             steps += 1
             if on_step is not None:
                 on_step(engine)
+            if kv_map is not None:
+                kv_map.record(engine, outputs, stamp)
+        if kv_map is not None:  # the end: every request answered, the totals final
+            kv_map.record(engine, [], clock() - start, force=True)
     finally:
         bar.close()
         for request_id in list(index_of):  # an error or Ctrl-C leaves no request behind

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 from dataclasses import asdict, replace
 
 from kvreplay.bench.report import environment
@@ -25,10 +26,12 @@ def make_llm(config: EngineConfig):
 
 def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], url: str | None = None,
                 peers: list[str] = (), progress: bool = True, on_step=None,
-                budgets: list[str] | None = None) -> dict:
+                budgets: list[str] | None = None, kv_maps: dict | None = None) -> dict:
     """Run `spec` under each policy (x each KV budget) in-process, or once against `url`; then
-    each peer. Runs are labelled `policy` (or `policy@budget` with several budgets)."""
+    each peer. Runs are labelled `policy` (or `policy@budget` with several budgets). With
+    `kv_maps` (a dict), each run's recorded KV map states are put there under its label."""
     from kvreplay.bench import serve
+    from kvreplay.bench.kv_map import KVMapRecorder, poll_server
     budgets = budgets or [config.kv_cache_memory]
     configs = [replace(c, kv_cache_memory=b) for c in check_policies(config, policies) for b in budgets]
     result = {"kind": "serve", "environment": environment(), "workload": asdict(spec),
@@ -37,7 +40,18 @@ def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], u
     if url:
         tokenizer = load_tokenizer(config.model)
         warmup, timed = make_workload(spec, corpus_token_ids(tokenizer))
-        result["runs"].append(serve.run_against_url(url, timed, warmup, progress=progress).as_dict())
+        stop, states = threading.Event(), []
+        poller = threading.Thread(target=poll_server, args=(url, states, stop), daemon=True)
+        if kv_maps is not None:
+            poller.start()
+        try:
+            run = serve.run_against_url(url, timed, warmup, progress=progress)
+        finally:
+            stop.set()
+        if kv_maps is not None:
+            poller.join()
+            kv_maps[run.label] = states
+        result["runs"].append(run.as_dict())
     else:
         timed = None
         for policy_config in configs:
@@ -45,8 +59,11 @@ def serve_suite(config: EngineConfig, spec: WorkloadSpec, policies: list[str], u
             if timed is None:
                 warmup, timed = make_workload(spec, corpus_token_ids(llm.tokenizer), llm.engine.max_model_len)
             label = policy_config.policy + (f"@{policy_config.kv_cache_memory}" if len(budgets) > 1 else "")
+            recorder = KVMapRecorder() if kv_maps is not None else None
             run = serve.run_in_process(llm.engine, timed, warmup, label=label, progress=progress,
-                                       on_step=on_step)
+                                       on_step=on_step, kv_map=recorder)
+            if recorder is not None:
+                kv_maps[label] = recorder.states
             result["runs"].append(run.as_dict() | {"policy": policy_config.policy,
                                                    "budget": policy_config.kv_cache_memory})
             del llm

@@ -62,6 +62,10 @@ def register(subparsers) -> None:
     serve.add_argument("--url", default=None, help="bench a running server (OpenAI API) instead of in-process")
     serve.add_argument("--budgets", type=_csv, default=None,
                        help="KV budgets to run each policy at, e.g. 16MiB,64MiB (default: --kv-cache-memory)")
+    serve.add_argument("--kv-map", dest="kv_map_path", default=None,
+                       help="write the web console's KV map of the run here: an HTML file that "
+                            "replays the pool and each request's zones a few times a second "
+                            "(several runs: one file each, the run's label before the suffix)")
     serve.add_argument("--peers", type=_csv, default=[],
                        help="also run the same requests through: transformers, llama-cpp (ratios reported)")
     _add_common(serve)
@@ -156,9 +160,25 @@ def run_serve(args) -> int:
     config = engine_config_from_args(args)
     print(f"bench serve: {spec.num_requests} requests, prompt buckets {spec.buckets}, "
           f"{spec.output_tokens} output tokens, rate {spec.request_rate}/s", file=sys.stderr)
+    kv_maps = {} if args.kv_map_path else None
     result = serve_suite(config, spec, args.policies or [args.policy], args.url, args.peers,
-                         progress=not args.no_progress, budgets=args.budgets)
+                         progress=not args.no_progress, budgets=args.budgets, kv_maps=kv_maps)
+    if kv_maps:
+        _write_kv_maps(args.kv_map_path, kv_maps)
     return _finish(args, result, serve_markdown(result["runs"], result["peers"]))
+
+
+def _write_kv_maps(path: str, kv_maps: dict[str, list[dict]]) -> None:
+    """One console snapshot page per run: `path` itself for one run, else `stem.label.suffix`."""
+    from pathlib import Path
+
+    from kvreplay.server.console import snapshot_page
+    target = Path(path)
+    for label, states in kv_maps.items():
+        out = target if len(kv_maps) == 1 else \
+            target.with_name(f"{target.stem}.{label.replace('/', '_')}{target.suffix}")
+        out.write_text(snapshot_page(states, title=f"kvreplay bench serve: {label}"), encoding="utf-8")
+        print(f"bench serve: KV map of {label} ({len(states)} states) in {out}", file=sys.stderr)
 
 
 def run_quality(args) -> int:

@@ -12,7 +12,8 @@ def register(subparsers) -> None:
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve POST /v1/chat/completions and /v1/completions (streamed or not), "
                     "/v1/tokenize and /v1/detokenize, GET /v1/models, /health, /version, "
-                    "/metrics and the OpenAPI docs at /docs. Binds 127.0.0.1 unless --host says "
+                    "/metrics, the OpenAPI docs at /docs and the web console at /console "
+                    "(with GET /v1/kv/state, its KV map). Binds 127.0.0.1 unless --host says "
                     "otherwise; Ctrl-C or SIGTERM finishes in-flight requests and exits.")
     group = serve.add_argument_group("server")
     add_flags(group, ServerConfig)

@@ -56,16 +56,24 @@ class Reclaimer:
         """`seq`'s droppable hot middle blocks as (the rest, its heavy hitters)."""
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
             return [], []
-        hot_from = seq.hot_from if self.policy.demotes else None
-        recent = self.recent_tokens(seq.num_computed_tokens, seq.pinned_tokens)
-        blocks = middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent,
-                                    self.kv.block_size, hot_from)
-        middle = self.kv.droppable(seq.seq_id, blocks)
+        middle = self.kv.droppable(seq.seq_id, self.middle_range(seq))
         heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
         split: tuple[list[int], list[int]] = ([], [])
         for index in middle:
             split[index in heavy].append(index)
         return split
+
+    def heavy_hitters(self, seq: Sequence) -> list[int]:
+        """Of `seq`'s droppable hot middle blocks, the `heavy_tokens` most attended ones."""
+        return self._middle_split(seq)[1]
+
+    def middle_range(self, seq: Sequence) -> range:
+        """Table indices of `seq`'s middle zone: past the pinned head, older than the recent
+        window (and, for the cold presets, than a chat's last rounds)."""
+        hot_from = seq.hot_from if self.policy.demotes else None
+        recent = self.recent_tokens(seq.num_computed_tokens, seq.pinned_tokens)
+        return middle_block_range(seq.num_computed_tokens, seq.pinned_tokens, recent,
+                                  self.kv.block_size, hot_from)
 
     def recent_tokens(self, num_tokens: int, pinned_tokens: int) -> int:
         """The recent window of a sequence of `num_tokens` (window_tokens, or the preset's)."""

@@ -1,6 +1,7 @@
 """The FastAPI app: auth, errors in the OpenAI shape, and the small routes (models, health,
 version, metrics, debug). The generation endpoints live in `completions.py`, the tokenizer's in
-`tokenize.py`; the OpenAPI docs at /docs (`docs_page.py`) unless `--no-docs`."""
+`tokenize.py`; the OpenAPI docs at /docs (`docs_page.py`) unless `--no-docs`; the web console at
+/console and its /v1/kv/state (`console.py`), the page unless `--no-console`."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ from kvreplay import __version__
 from kvreplay.server.async_engine import AsyncEngine
 from kvreplay.server.completions import router
 from kvreplay.server.config import ServerConfig
+from kvreplay.server.console import PATHS as CONSOLE_PATHS, add_console, add_state_route
 from kvreplay.server.docs_page import PATHS as DOCS_PATHS
 from kvreplay.server.docs_page import STATIC_PREFIX as DOCS_STATIC, add_docs
 from kvreplay.server.formatting import TokenFormatter, error_body
@@ -31,7 +33,7 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 class _Gatekeeper:
     """Pure ASGI middleware, outermost: checks the API key (all routes but /health, /version, the
-    docs, and /metrics with metrics_public) and counts generation responses by status for
+    docs, the console page and its files, and /metrics with metrics_public) and counts generation responses by status for
     /metrics (streams count when their headers go out).
 
     The key comes as `Authorization: Bearer KEY`, the scheme in any case (RFC 9110). With a key
@@ -47,6 +49,8 @@ class _Gatekeeper:
             self.open_paths.add("/metrics")
         if config.docs:
             self.open_paths.update(DOCS_PATHS)
+        if config.console:
+            self.open_paths.update(CONSOLE_PATHS)
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
@@ -97,6 +101,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                   docs_url=None, openapi_url="/openapi.json" if config.docs else None)
     if config.docs:
         add_docs(app)
+    if config.console:
+        add_console(app)
+    add_state_route(app)
     app.state.server = ServerState(config, engine, metrics, TokenFormatter(engine.llm.tokenizer),
                                    int(time.time()))
     app.add_middleware(_Gatekeeper, config=config, metrics=metrics)

@@ -20,12 +20,14 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 from kvreplay.api import LLM
 from kvreplay.engine import step_log
+from kvreplay.engine.kv_map import kv_state
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
 from kvreplay.server.generation import (EngineSnapshot, EngineUnavailableError, Generation,
@@ -113,6 +115,11 @@ class AsyncEngine:
             _call_soon(loop, _settle, future, result, error)
         self._post(_Job(fn, done))
         return await future
+
+    async def kv_state(self) -> dict:
+        """The KV map (engine/kv_map.py), drawn on the engine thread between steps: the console's
+        picture is never a half-done step."""
+        return await self.call(lambda: kv_state(self.engine, time.time(), self._stats_totals))
 
     async def submit(self, prompts: list, params: SamplingParams, *, stream: bool,
                      chat: bool, tools: list[dict] | None = None) -> Generation:

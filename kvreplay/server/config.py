@@ -74,6 +74,10 @@ class ServerConfig:
         True, "serve the OpenAPI docs: Swagger UI at /docs and the schema at /openapi.json, "
               "without the API key (a browser sends none; they describe the routes and run "
               "nothing)", flag="--no-docs", check=boolean)
+    console: bool = knob(
+        True, "serve the web console at /console (and / redirecting to it): a chat playground "
+              "and a live map of the KV cache drawn from GET /v1/kv/state; the page loads "
+              "without the API key and asks for it", flag="--no-console", check=boolean)
     metrics_public: bool = knob(
         False, "serve GET /metrics without the API key (for Prometheus scrapers); every other "
                "route but /health still needs it", check=boolean)

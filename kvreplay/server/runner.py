@@ -65,7 +65,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bo
     uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                     access_log=access_log,
                                     timeout_graceful_shutdown=config.shutdown_timeout_s + _UVICORN_GRACE_S)
-    print(f"serving '{config.served_model_name}' on http://{config.host}:{config.port}/v1",
+    print(f"serving '{config.served_model_name}' on http://{config.host}:{config.port}/v1"
+          + (f"; web console at http://{config.host}:{config.port}/console" if config.console else ""),
           file=sys.stderr)
     # uvicorn re-raises the signal that stopped it once it has drained. For SIGTERM that would
     # kill us with status 143 after a clean shutdown, so make the re-raise a no-op: exit 0.
