@@ -47,3 +47,34 @@ def test_trim_modes_and_the_default():
     assert EngineConfig().trim == "admission"
     with pytest.raises(ValueError, match="trim"):
         EngineConfig(trim="eventually")
+
+
+def _tokens(count: int, seed: int) -> list[int]:
+    import torch
+    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_room_made_for_a_request_may_evict_its_prefix_hits_and_admission_looks_again(tiny_model):
+    """Found by the server soak (an engine-loop TypeError, then 503s): dropping a middle to admit
+    a request takes key-index blocks from the pool, which evicted cached blocks the request's
+    prefix match had just named; adopting them failed. A seeded random run that hit it."""
+    import random
+    rng = random.Random(4)
+    assert (rng.choice([8, 16]), rng.choice(["64KiB", "96KiB", "128KiB", "192KiB"])) == (8, "128KiB")
+    llm = LLM(model=tiny_model, dtype="float32", policy="replay", kv_cache_memory="128KiB", block_size=8,
+              window_tokens=16, sink_tokens=4, max_num_seqs=8)
+    engine = llm.engine
+    capacity = engine.kv.num_blocks * 8
+    bases = [_tokens(rng.randrange(8, 48), 1040 + i) for i in range(3)]
+    trims = 0
+    for step in range(300):
+        if rng.random() < 0.3 and len(engine.requests) < 8:
+            base = rng.choice(bases) if rng.random() < 0.7 else []
+            prompt = (base + _tokens(rng.randrange(4, max(5, capacity // 2)), 4000 + step))[: capacity // 2]
+            engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(4, 40), temperature=0,
+                                                      ignore_eos=True))
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                trims += out.outputs[0].stats.dropped_tokens > 0 if out.finished else 0
+            engine.check_integrity()
+    assert trims > 0  # admissions did drop middles

@@ -161,11 +161,14 @@ class Scheduler:
                 projected = self.kv.num_blocks_to_admit(seq.seq_id, hits, seq.num_tokens + 1)
             if not beams_fit(seq, self.running, self.kv.num_blocks):
                 break  # (beams are never paused: engine/beam.py)
-            if self.running:
-                if committed + projected > admit_blocks:  # trim="admission" makes room, or it waits
-                    committed -= self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1)
-                if committed + projected > admit_blocks:
-                    break
+            if self.running and committed + projected > admit_blocks:
+                # trim="admission" makes room, or it waits. Dropping takes key-index blocks from
+                # the pool, which may evict cached blocks among `hits`: then look again.
+                freed = self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1)
+                committed -= freed
+                if freed:
+                    continue
+                break
             elif projected > self.kv.num_free_blocks:
                 # Alone it must fit whatever the watermarks say; make room from paused pins.
                 if self._release_paused_pins(exclude=seq):

@@ -30,11 +30,13 @@ from kvreplay.engine import step_log
 from kvreplay.engine.kv_map import kv_state
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams
+from kvreplay.server import allocator
 from kvreplay.server.generation import (EngineSnapshot, EngineUnavailableError, Generation,
                                         QueueFullError)
 from kvreplay.server.prompts import PreparedPrompt, PromptPreparer
 
 logger = logging.getLogger(__name__)
+TRIM_EVERY_STEPS = 256  # engine steps between returns of free heap pages (server/allocator.py)
 
 
 @dataclass
@@ -230,12 +232,16 @@ class AsyncEngine:
                 else f"the engine failed: {self.failure}")
 
     def _run(self) -> None:
+        steps = 0
         try:
             while not self._stop_requested:
                 self._run_jobs(wait=not self.engine.has_unfinished_requests())
                 if self._stop_requested or not self.engine.has_unfinished_requests():
                     continue
                 self._deliver(step_log.step(self.engine))
+                steps += 1
+                if steps % TRIM_EVERY_STEPS == 0:
+                    allocator.release_free_memory()
         except BaseException as exc:  # a bug, not user input: fail loudly, keep the process up
             logger.exception("the engine loop failed; the server now answers 503")
             self.failure = exc
