@@ -20,6 +20,7 @@ import torch
 from kvreplay.models.chat_templates import read_chat_template
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.hub_cache import find_cached_model, is_repo_id
+from kvreplay.models.named import NAMED_MODELS, cache_dir
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -74,18 +75,21 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The local path `model` names: None for the embedded model, a path, or a Hugging Face id
-    (Org/Name) found in the local Hugging Face cache (models/hub_cache.py; never downloaded)."""
+    """The local path `model` names: None for the embedded model, a short name of a packaged one
+    (models/named.py: gemma3-270m), a path, or a Hugging Face id (Org/Name) found in the local
+    Hugging Face cache (models/hub_cache.py; never downloaded)."""
     if model is None or model in ("default", DEFAULT_MODEL_FILE):
         return default_model_path()
+    if model in NAMED_MODELS:
+        return NAMED_MODELS[model]()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         if is_repo_id(model):
             return find_cached_model(model)
         raise ValueError(f"model path {model!r} does not exist; pass a .gguf file, a Hugging Face "
                          "model directory (config.json + *.safetensors + tokenizer), a Hugging "
-                         "Face id in the local cache (Org/Name), or omit it for the embedded "
-                         "SmolLM2-135M-Instruct")
+                         f"Face id in the local cache (Org/Name), a packaged model ({', '.join(NAMED_MODELS)}), "
+                         "or omit it for the embedded SmolLM2-135M-Instruct")
     return path
 
 
@@ -231,10 +235,6 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def _cache_dir() -> str:
-    return os.environ.get("KVREPLAY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvreplay"))
-
-
 def _gguf_special_ids(path: str) -> dict[str, int]:
     """The file's own special token ids: {"bos": id, "eos": id} where it states them."""
     meta = _gguf_metadata(_open_gguf(path))
@@ -262,7 +262,7 @@ def _gguf_tokenizer(path: str):
     # "v2": caches from before the special tokens were checked against the file are rebuilt
     # the file's real path: a Hugging Face snapshot links to its blob, shared by every snapshot
     key = hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    cached = os.path.join(cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)
