@@ -44,6 +44,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 has a norm after attention and one before and after the MLP (transformers' names)
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -101,7 +108,7 @@ def read_model_config(model: str | None) -> ModelConfig:
     if path.endswith(".json"):
         return ModelConfig.from_hf_config(_read_json(path))
     reader = _open_gguf(path)
-    return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), {t.name for t in reader.tensors})
+    return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), _tensor_shapes(reader))
 
 
 def load_model(model: str | None, chat_template: str | None = None) -> LoadedModel:
@@ -171,7 +178,27 @@ def _open_gguf(path: str):
     try:
         return GGUFReader(path)
     except Exception as exc:
+        if "GGMLQuantizationType" in str(exc):  # a tensor type id gguf-py does not know
+            raise ValueError(f"{path} stores a tensor in an unknown quant type ({exc}); kvreplay "
+                             "loads the types gguf-py can dequantize") from exc
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, rows first (GGUF lists the fastest dimension first)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+
+
+def _dequantize(tensor, path: str) -> np.ndarray:
+    """A GGUF tensor's values as float32 (gguf-py's dequantization: F32/F16/BF16, Q4_0..Q8_0 and
+    the K-quants Q2_K..Q6_K among others)."""
+    from gguf.quants import dequantize
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, a quant "
+                         f"type gguf-py cannot dequantize ({exc})") from exc
+    return array.astype(np.float32, copy=False)
 
 
 def _gguf_metadata(reader) -> dict:
@@ -196,15 +223,14 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from gguf.quants import dequantize
     reader = _open_gguf(path)
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), names)
+    config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), _tensor_shapes(reader))
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else _GGUF_LAYER_NAMES
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in _progress(reader.tensors, len(reader.tensors), "tensor"):
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
@@ -214,7 +240,7 @@ def _load_gguf(path: str) -> LoadedModel:
             heads = config.num_heads
         elif permuted and tensor.name.endswith("attn_k.weight"):
             heads = config.num_kv_heads
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        array = _dequantize(tensor, path).reshape(shape)
         if heads is not None:
             array = _unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, copy=True))
@@ -226,12 +252,12 @@ def _load_gguf(path: str) -> LoadedModel:
     return LoadedModel(config, weights, load_tokenizer(path), path, quantized)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 
