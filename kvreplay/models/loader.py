@@ -19,6 +19,7 @@ import torch
 
 from kvreplay.models.chat_templates import read_chat_template
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.gguf_file import dequantize, open_for_load, read_header
 from kvreplay.models.hub_cache import find_cached_model, is_repo_id
 from kvreplay.models.named import NAMED_MODELS, cache_dir
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
@@ -107,8 +108,7 @@ def read_model_config(model: str | None) -> ModelConfig:
         return ModelConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
     if path.endswith(".json"):
         return ModelConfig.from_hf_config(_read_json(path))
-    reader = _open_gguf(path)
-    return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), _tensor_shapes(reader))
+    return ModelConfig.from_gguf_metadata(*read_header(path))
 
 
 def load_model(model: str | None, chat_template: str | None = None) -> LoadedModel:
@@ -173,46 +173,6 @@ def load_tokenizer(model: str | None):
 
 # ---------------------------------------------------------------- GGUF
 
-def _open_gguf(path: str):
-    from gguf import GGUFReader
-    try:
-        return GGUFReader(path)
-    except Exception as exc:
-        if "GGMLQuantizationType" in str(exc):  # a tensor type id gguf-py does not know
-            raise ValueError(f"{path} stores a tensor in an unknown quant type ({exc}); kvreplay "
-                             "loads the types gguf-py can dequantize") from exc
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def _tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape, rows first (GGUF lists the fastest dimension first)."""
-    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-
-
-def _dequantize(tensor, path: str) -> np.ndarray:
-    """A GGUF tensor's values as float32 (gguf-py's dequantization: F32/F16/BF16, Q4_0..Q8_0 and
-    the K-quants Q2_K..Q6_K among others)."""
-    from gguf.quants import dequantize
-    try:
-        array = dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as exc:
-        raise ValueError(f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, a quant "
-                         f"type gguf-py cannot dequantize ({exc})") from exc
-    return array.astype(np.float32, copy=False)
-
-
-def _gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
-            continue  # large arrays; the tokenizer reads them itself
-        try:
-            meta[key] = field.contents()
-        except Exception:  # unknown field layouts are not needed
-            continue
-    return meta
-
-
 def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's converter, which interleaves the two rotary halves of each head's rows."""
     out_features = weight.shape[0]
@@ -223,8 +183,8 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    reader = _open_gguf(path)
-    config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), _tensor_shapes(reader))
+    config = ModelConfig.from_gguf_metadata(*read_header(path))
+    reader = open_for_load(path)
     layer_names = _GGUF_GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else _GGUF_LAYER_NAMES
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
@@ -240,7 +200,7 @@ def _load_gguf(path: str) -> LoadedModel:
             heads = config.num_heads
         elif permuted and tensor.name.endswith("attn_k.weight"):
             heads = config.num_kv_heads
-        array = _dequantize(tensor, path).reshape(shape)
+        array = dequantize(tensor, path).reshape(shape)
         if heads is not None:
             array = _unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, copy=True))
@@ -263,7 +223,7 @@ def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str | None:
 
 def _gguf_special_ids(path: str) -> dict[str, int]:
     """The file's own special token ids: {"bos": id, "eos": id} where it states them."""
-    meta = _gguf_metadata(_open_gguf(path))
+    meta = read_header(path)[0]
     return {name: int(meta[key]) for name in ("bos", "eos")
             if (key := f"tokenizer.ggml.{name}_token_id") in meta}
 
