@@ -333,6 +333,7 @@ class RequestPlan:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["policies"] = [p.as_dict() for p in self.policies]
+        out["hybrid_bytes"] = self.hybrid_bytes
         return out
 
 

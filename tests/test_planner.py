@@ -72,6 +72,7 @@ def test_layer_groups_of_a_sliding_window_model():
     assert request.full_bytes == 18_432 * 32_768
     assert request.hybrid_bytes == 3_072 * 32_768 + 15_360 * 528
     assert plan(gemma, 100).hybrid_bytes == plan(gemma, 100).full_bytes  # inside the window
+    assert request.as_dict()["hybrid_bytes"] == request.hybrid_bytes
     plain = plan(LLAMA3_8B, 8192, FP16)  # no local layers: one group, the hybrid pool is the pool
     assert len(plain.layer_groups) == 1 and plain.hybrid_bytes == plain.full_bytes
 
