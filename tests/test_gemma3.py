@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from kvreplay import LLM, SamplingParams
-from kvreplay.kv import KVManager
-from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
 from kvreplay.layers.linear import Projection
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.gemma3 import Gemma3Model
 from kvreplay.models.loader import load_model, read_model_config
+from tests.test_reference import _chunked_logits  # a scrambled block table, chunk by chunk
 
 MODEL = "gemma3-270m"
 LOGIT_TOLERANCE = 1e-3  # absolute, fp32 on both sides (as tests/test_reference.py)
@@ -110,24 +109,6 @@ def test_facts_come_from_the_gguf():
     assert [i for i in range(18) if cfg.layer_window(i) is None] == [5, 11, 17]  # five local to one global
 
 
-def _paged_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits at every position, chunk by chunk through a scrambled block table."""
-    cfg, block_size = model.config, 16
-    num_blocks = -(-len(token_ids) // block_size) + 1
-    kv = KVManager(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
-    pieces = []
-    for start in range(0, len(token_ids), chunk):
-        end = min(start + chunk, len(token_ids))
-        positions = torch.arange(start, end)
-        slots = table[positions // block_size] * block_size + positions % block_size
-        mask = None if start == 0 else torch.arange(end)[None, :] <= positions[:, None]
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[
-            PrefillSlice(0, end - start, end, table, mask, causal_from=start)])
-        pieces.append(model.forward(torch.tensor(token_ids[start:end]), positions, kv.kv_caches, meta, None))
-    return torch.cat(pieces)
-
-
 def test_logits_match_transformers_on_1500_tokens(gemma32, weights, hf_prompt, text_ids):
     """Every position's logits over a fixed sample of the vocabulary (the text's own tokens among
     them): a full 262,144-row head at 1,500 positions would take most of this file's time.
@@ -140,7 +121,7 @@ def test_logits_match_transformers_on_1500_tokens(gemma32, weights, hf_prompt, t
     model.lm_head = Projection(model.embed_tokens[rows])
     expected = hf_prompt[0][:1500] @ weights["model.embed_tokens.weight"][rows].T  # transformers' head, those rows
     for chunk in (1500, 512):
-        ours = _paged_logits(model, ids, chunk)
+        ours = _chunked_logits(model, ids, chunk)
         diff = (ours - expected).abs().max().item()
         assert diff < LOGIT_TOLERANCE, f"chunk={chunk}: max |logit diff| = {diff}"
         assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvreplay.layers.attention import AttentionMetadata, paged_attention
 from kvreplay.layers.linear import Projection, QuantizedWeight
 from kvreplay.models.config import ModelConfig
-from kvreplay.models.llama import rotate_half
+from kvreplay.models.llama import rotate_half, tensor_taker
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,11 +48,7 @@ class Gemma3Model:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint lacks tensor {name}")
-            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+        take = tensor_taker(weights, self.device, dtype)
 
         self.embed_tokens = take("model.embed_tokens.weight")  # [V, hidden]
         # transformers rounds sqrt(hidden) to the model dtype before scaling
