@@ -148,6 +148,25 @@ def test_greedy_past_the_window_matches_transformers(gemma32, hf_gemma, hf_promp
     assert again[0].stats.prefix_hit_tokens >= 1984
 
 
+def test_branches_and_an_abort_past_the_window(gemma32, text_ids):
+    """n=2 sampled branches sharing a 1,200-token prompt (its blocks copied on write), beside a
+    request aborted mid-decode: the pool stays consistent at every step and is empty after."""
+    engine = gemma32.engine
+    kept = engine.add_request(text_ids[:1200], SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=0))
+    aborted = engine.add_request(text_ids[500:1100], SamplingParams(max_tokens=50, temperature=0))
+    finished, steps, abort_output = {}, 0, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.check_integrity()
+        steps += 1
+        if steps == 4:
+            abort_output = engine.abort_request(aborted)
+    assert [len(branch.token_ids) for branch in finished[kept].outputs] == [6, 6]
+    assert abort_output is not None and abort_output.finish_reason == "abort"
+
+
 def _tiny_gguf(path, drop_key: str | None = None) -> str:
     """A 1-layer Gemma 3 GGUF header with one F32 tensor (token_embd), minus `drop_key`."""
     import gguf
