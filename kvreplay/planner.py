@@ -66,14 +66,35 @@ COLD_FORMATS = {"int8": ColdFormat(8, 1), "fp8": ColdFormat(8, 1), "int4": ColdF
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers that need the same span of K/V: global ones every token, local (sliding-window)
+    ones their last `window_tokens` (docs/architecture.md, "Gemma 3")."""
+    name: str
+    num_layers: int
+    bytes_per_token: int      # K and V of one token over the group's layers
+    window_tokens: int | None
+
+    def needed_tokens(self, context_tokens: int, block_size: int) -> int:
+        """Tokens of whole blocks the group needs at `context_tokens`: a window that does not
+        start on a block boundary touches one block more than it fills."""
+        blocks = -(-context_tokens // block_size)
+        if self.window_tokens is not None:
+            blocks = min(blocks, -(-self.window_tokens // block_size) + 1)
+        return blocks * block_size
+
+
+@dataclass(frozen=True)
 class KVDims:
-    """The model facts the KV cache depends on."""
+    """The model facts the KV cache depends on. `num_local_layers` of the layers attend to
+    their last `sliding_window` tokens only (0: none)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     num_heads: int | None = None
     max_context_tokens: int | None = None
     source: str = "explicit dimensions"
+    num_local_layers: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -82,7 +103,17 @@ class KVDims:
     @classmethod
     def from_model_config(cls, config, source: str) -> "KVDims":
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, config.num_heads,
-                   config.max_position_embeddings, source)
+                   config.max_position_embeddings, source, len(config.local_layers), config.sliding_window)
+
+    def layer_groups(self, dtype_bytes: float = 2) -> list[LayerGroup]:
+        """The global layers, then the local ones where the model has any."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        num_global = self.num_layers - self.num_local_layers
+        groups = [LayerGroup("global", num_global, int(num_global * per_layer), None)]
+        if self.num_local_layers:
+            groups.append(LayerGroup("local", self.num_local_layers, int(self.num_local_layers * per_layer),
+                                     self.sliding_window))
+        return groups
 
     @classmethod
     def from_hidden(cls, num_layers: int, hidden_size: int, num_heads: int | None = None,
@@ -284,6 +315,13 @@ class RequestPlan:
     # The session tier (kv/session_tier.py) keeps a session's full blocks: sessions of this
     # context each of its levels holds ('memory', 'disk'), for the budgets planned.
     tier_sessions: dict[str, int] = field(default_factory=dict)
+    # Per layer group: bytes per token, and the bytes a hybrid pool would hold for this context
+    # (local layers only their window; the engine's pool keeps every layer's blocks: `full_bytes`).
+    layer_groups: list[dict] = field(default_factory=list)
+
+    @property
+    def hybrid_bytes(self) -> int:
+        return sum(group["hybrid_bytes"] for group in self.layer_groups)
 
     @property
     def full_bytes(self) -> int:
@@ -295,6 +333,7 @@ class RequestPlan:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["policies"] = [p.as_dict() for p in self.policies]
+        out["hybrid_bytes"] = self.hybrid_bytes
         return out
 
 
@@ -331,6 +370,10 @@ def plan(dims: KVDims, context_tokens: int, knobs: PlanKnobs = PlanKnobs(),
         result.policies.append(policy_plan)
     result.tier_sessions = tier_sessions(result.block_bytes, context_tokens, knobs.block_size,
                                          tier_memory_bytes, tier_disk_bytes)
+    for group in dims.layer_groups(knobs.dtype_bytes):
+        tokens = group.needed_tokens(context_tokens, knobs.block_size)
+        result.layer_groups.append(asdict(group) | {"hybrid_tokens": tokens,
+                                                    "hybrid_bytes": tokens * group.bytes_per_token})
     return result
 
 

@@ -122,6 +122,7 @@ def test_generate_by_hugging_face_id_streams_and_logs_each_step(tmp_path, llm32)
     (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
     (["generate", "hi", "--model", "NoSuchOrg/no-such-model"], "is not in the Hugging Face cache (searched "),
     (["generate", "hi", "--kv-cache-memory", "many"], "cannot parse size"),
+    (["generate", "hi", "--model", "gemma3-270m", "--policy", "replay"], "not supported for gemma3"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     result = _run(*args)

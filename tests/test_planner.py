@@ -60,6 +60,23 @@ def test_default_model_bytes_per_token():
     assert dims.bytes_per_token(2) == 23_040  # SmolLM2-135M in bf16: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes
 
 
+def test_layer_groups_of_a_sliding_window_model():
+    """Gemma 3 270M's shape: 3 global layers keep every token, 15 local ones their 512-token
+    window, which touches at most 33 blocks of 16 (a hybrid pool's figure; the engine's pool
+    keeps every layer's blocks)."""
+    gemma = KVDims(18, 1, 256, num_local_layers=15, sliding_window=512)
+    request = plan(gemma, 32_768)
+    assert [(g["name"], g["num_layers"], g["bytes_per_token"]) for g in request.layer_groups] == \
+        [("global", 3, 3_072), ("local", 15, 15_360)]
+    assert [g["hybrid_tokens"] for g in request.layer_groups] == [32_768, 528]
+    assert request.full_bytes == 18_432 * 32_768
+    assert request.hybrid_bytes == 3_072 * 32_768 + 15_360 * 528
+    assert plan(gemma, 100).hybrid_bytes == plan(gemma, 100).full_bytes  # inside the window
+    assert request.as_dict()["hybrid_bytes"] == request.hybrid_bytes
+    plain = plan(LLAMA3_8B, 8192, FP16)  # no local layers: one group, the hybrid pool is the pool
+    assert len(plain.layer_groups) == 1 and plain.hybrid_bytes == plain.full_bytes
+
+
 def test_block_rounding_and_zones():
     knobs = PlanKnobs()  # 16-token blocks, 4 sinks, 512-token window
     request = plan(LLAMA3_8B, 1000, knobs)

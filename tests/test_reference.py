@@ -28,7 +28,8 @@ def _chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
         if mask is not None:
             mask = mask.to(device)
         meta = AttentionMetadata(slot_mapping=slots.to(device),
-                                 prefills=[PrefillSlice(0, end - start, end, table.to(device), mask)])
+                                 prefills=[PrefillSlice(0, end - start, end, table.to(device), mask,
+                                                        causal_from=start)])
         pieces.append(model.forward(torch.tensor(token_ids[start:end], device=device), positions.to(device),
                                     kv.kv_caches, meta, None))
     return torch.cat(pieces).cpu()

@@ -106,7 +106,9 @@ def run_plan(args) -> int:
         print()
         return 0
     print(render(dims, knobs, plans))
-    if args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
+    if dims.num_local_layers:  # sliding-window models run under full only (engine/model_setup.py)
+        print("\nthe engine serves this sliding-window model under policy full only, for now")
+    elif args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
         print("\n" + replay_knobs_line(dims.source, knobs.block_size))
     return 0
 
@@ -140,6 +142,10 @@ def render(dims: planner.KVDims, knobs: planner.PlanKnobs, plans: list[planner.R
              f"block of {knobs.block_size} tokens = {first.block_bytes:,} bytes",
              f"zones: {knobs.sink_tokens} sinks, {knobs.protected_tokens} protected, "
              f"{knobs.window_tokens}-token window; replay index int{knobs.index_bits}"]
+    if dims.num_local_layers:
+        lines.append("layer groups: " + "; ".join(
+            f"{g['name']} {g['num_layers']} layers " + (f"(window {g['window_tokens']:,}) " if g["window_tokens"] else "")
+            + f"{g['bytes_per_token']:,} bytes per token" for g in first.layer_groups))
     if first.budget_bytes:
         lines.append(f"budget: {fmt(first.budget_bytes)}")
     for request in plans:
@@ -157,6 +163,11 @@ def render(dims: planner.KVDims, knobs: planner.PlanKnobs, plans: list[planner.R
             if p.max_concurrency is not None:
                 row += f"{p.max_concurrency:>16,}" if p.max_concurrency else f"{'0 (too big)':>16}"
             lines.append(row)
+        if dims.num_local_layers:
+            lines.append(f"  hybrid pool (local layers keep their window; not built yet, the engine keeps "
+                         f"every layer's blocks): {fmt(request.hybrid_bytes)}, "
+                         f"{request.hybrid_bytes / request.context_tokens:,.0f} bytes per token, "
+                         f"{request.full_bytes / request.hybrid_bytes:.2f}x less than full")
         if request.tier_sessions:
             held = "; ".join(f"{level} holds {count:,}" for level, count in request.tier_sessions.items())
             lines.append(f"  session tier (full blocks of this context per session): {held}")

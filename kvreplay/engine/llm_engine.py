@@ -21,8 +21,7 @@ from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.engine.sessions import KeptSessions
 from kvreplay.engine.tier_loads import attach_tier
-from kvreplay.models.llama import LlamaModel
-from kvreplay.models.loader import load_model
+from kvreplay.engine.model_setup import load_engine_model
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams, rows_logprobs, sample
 
@@ -32,17 +31,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model(config.model, config.chat_template)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_source = loaded.source
-        self.model = LlamaModel(loaded.config, loaded.weights, config.torch_dtype, config.device,
-                                loaded.quantized)
-        del loaded
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
-                             f"({self.model_config.max_position_embeddings})")
+        loaded = load_engine_model(config)  # engine/model_setup.py: the model's class, its checks
+        self.model, self.tokenizer, self.model_source = loaded.model, loaded.tokenizer, loaded.source
+        self.model_config, self.max_model_len = self.model.config, loaded.max_model_len
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = set() if eos is None else {int(eos)}
 

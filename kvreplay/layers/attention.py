@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kvreplay.kv.importance import block_mass
 from kvreplay.kv.quant import block_upper_bound
 from kvreplay.layers.selection import HotSelection, mask_unselected
+from kvreplay.layers.window import window_chunk_keys, windowed_decode_meta
 
 if TYPE_CHECKING:
     from kvreplay.kv.cold_pool import ColdPool
@@ -117,25 +118,37 @@ def decode_padding(context: torch.Tensor, width: int, num_kv: int) -> torch.Tens
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, cache_written: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, cache_written: bool = False,
+                    window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D].
-    cache_written: k and v are in the cache at slot_mapping already (the fused CPU layer op)."""
+    cache_written: k and v are in the cache at slot_mapping already (the fused CPU layer op).
+    window: a local layer's sliding window (layers/window.py; PyTorch path only); None: causal."""
     num_kv, num_blocks, block_size, head_dim = kv_cache.shape[1:]
     key_cache, value_cache = kv_cache[0], kv_cache[1]  # [Hkv, num_blocks, block_size, D]
     if not cache_written:
         key_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         value_cache.view(num_kv, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     num_decode = meta.num_decode_tokens
+    if window is not None and num_decode:  # decode rows read only their windows' blocks
+        meta = windowed_decode_meta(meta, window, block_size, num_kv)
     if num_decode == q.shape[0] and not meta.prefills:  # a decode-only step: no copy
         return _decode_attention(q, key_cache, value_cache, meta, scale)
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = _decode_attention(q[:num_decode], key_cache, value_cache, meta, scale)
 
-    kernel = meta.prefill_kernel if q.dtype == torch.bfloat16 else None
+    # the compiled causal kernel: bf16, no window, the head sizes it is built for
+    kernel = meta.prefill_kernel if q.dtype == torch.bfloat16 and window is None and head_dim in (64, 128) else None
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_end)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, C, D]
+        if window is not None:
+            keys, values, mask = window_chunk_keys(chunk, k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                                                   key_cache, value_cache, window)  # [Hkv, L, D], [C, L]
+            result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
+                                                    attn_mask=mask, scale=scale, enable_gqa=True)
+            out[rows] = result.squeeze(0).transpose(0, 1)
+            continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, C, D]
         else:

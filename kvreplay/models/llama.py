@@ -35,6 +35,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def tensor_taker(weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    """name -> that checkpoint tensor on `device` in `dtype`, contiguous; a missing one is a
+    ValueError naming it."""
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"checkpoint lacks tensor {name}")
+        return weights[name].to(device=device, dtype=dtype).contiguous()
+    return take
+
+
 def fused_decode_enabled() -> bool:
     """KVREPLAY_FUSED_DECODE=0 runs decode steps through the Python layer code (for comparisons
     and debugging); 1 or unset: through decode_layer where it applies."""
@@ -50,11 +60,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint lacks tensor {name}")
-            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+        take = tensor_taker(weights, self.device, dtype)
 
         def blocks(*names: str) -> QuantizedWeight | None:
             return QuantizedWeight.concat([(quantized or {}).get(name) for name in names])

@@ -19,7 +19,9 @@ import torch
 
 from kvreplay.models.chat_templates import read_chat_template
 from kvreplay.models.config import ModelConfig
+from kvreplay.models.gguf_file import dequantize, open_for_load, read_header
 from kvreplay.models.hub_cache import find_cached_model, is_repo_id
+from kvreplay.models.named import NAMED_MODELS, cache_dir
 from kvreplay.layers.linear import QUANT_FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3 has a norm after attention and one before and after the MLP (transformers' names)
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -74,18 +83,21 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The local path `model` names: None for the embedded model, a path, or a Hugging Face id
-    (Org/Name) found in the local Hugging Face cache (models/hub_cache.py; never downloaded)."""
+    """The local path `model` names: None for the embedded model, a short name of a packaged one
+    (models/named.py: gemma3-270m), a path, or a Hugging Face id (Org/Name) found in the local
+    Hugging Face cache (models/hub_cache.py; never downloaded)."""
     if model is None or model in ("default", DEFAULT_MODEL_FILE):
         return default_model_path()
+    if model in NAMED_MODELS:
+        return NAMED_MODELS[model]()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         if is_repo_id(model):
             return find_cached_model(model)
         raise ValueError(f"model path {model!r} does not exist; pass a .gguf file, a Hugging Face "
                          "model directory (config.json + *.safetensors + tokenizer), a Hugging "
-                         "Face id in the local cache (Org/Name), or omit it for the embedded "
-                         "SmolLM2-135M-Instruct")
+                         f"Face id in the local cache (Org/Name), a packaged model ({', '.join(NAMED_MODELS)}), "
+                         "or omit it for the embedded SmolLM2-135M-Instruct")
     return path
 
 
@@ -96,8 +108,7 @@ def read_model_config(model: str | None) -> ModelConfig:
         return ModelConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
     if path.endswith(".json"):
         return ModelConfig.from_hf_config(_read_json(path))
-    reader = _open_gguf(path)
-    return ModelConfig.from_gguf_metadata(_gguf_metadata(reader), {t.name for t in reader.tensors})
+    return ModelConfig.from_gguf_metadata(*read_header(path))
 
 
 def load_model(model: str | None, chat_template: str | None = None) -> LoadedModel:
@@ -162,26 +173,6 @@ def load_tokenizer(model: str | None):
 
 # ---------------------------------------------------------------- GGUF
 
-def _open_gguf(path: str):
-    from gguf import GGUFReader
-    try:
-        return GGUFReader(path)
-    except Exception as exc:
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def _gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
-            continue  # large arrays; the tokenizer reads them itself
-        try:
-            meta[key] = field.contents()
-        except Exception:  # unknown field layouts are not needed
-            continue
-    return meta
-
-
 def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's converter, which interleaves the two rotary halves of each head's rows."""
     out_features = weight.shape[0]
@@ -192,15 +183,14 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from gguf.quants import dequantize
-    reader = _open_gguf(path)
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(_gguf_metadata(reader), names)
+    config = ModelConfig.from_gguf_metadata(*read_header(path))
+    reader = open_for_load(path)
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else _GGUF_LAYER_NAMES
     permuted = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in _progress(reader.tensors, len(reader.tensors), "tensor"):
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
@@ -210,7 +200,7 @@ def _load_gguf(path: str) -> LoadedModel:
             heads = config.num_heads
         elif permuted and tensor.name.endswith("attn_k.weight"):
             heads = config.num_kv_heads
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        array = dequantize(tensor, path).reshape(shape)
         if heads is not None:
             array = _unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, copy=True))
@@ -222,22 +212,18 @@ def _load_gguf(path: str) -> LoadedModel:
     return LoadedModel(config, weights, load_tokenizer(path), path, quantized)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
-
-
-def _cache_dir() -> str:
-    return os.environ.get("KVREPLAY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvreplay"))
 
 
 def _gguf_special_ids(path: str) -> dict[str, int]:
     """The file's own special token ids: {"bos": id, "eos": id} where it states them."""
-    meta = _gguf_metadata(_open_gguf(path))
+    meta = read_header(path)[0]
     return {name: int(meta[key]) for name in ("bos", "eos")
             if (key := f"tokenizer.ggml.{name}_token_id") in meta}
 
@@ -262,7 +248,7 @@ def _gguf_tokenizer(path: str):
     # "v2": caches from before the special tokens were checked against the file are rebuilt
     # the file's real path: a Hugging Face snapshot links to its blob, shared by every snapshot
     key = hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    cached = os.path.join(cache_dir(), "tokenizers", key)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)
