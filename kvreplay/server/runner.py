@@ -21,6 +21,41 @@ logger = logging.getLogger("uvicorn.error")  # where uvicorn says it is shutting
 _UVICORN_GRACE_S = 5.0
 
 
+class _Server(uvicorn.Server):
+    """SIGTERM or Ctrl-C starts a drain; the port stays open meanwhile, so load balancers see
+    /health answer 503 (and new requests get 503) rather than a refused connection. In-flight
+    requests run on for up to `shutdown_timeout_s`; then the engine cuts what still runs, each
+    client getting a final chunk (finish_reason "length", stop_reason "shutdown"). Once every
+    admitted request has been answered, uvicorn stops: it closes the port, waits for open
+    connections, the app's lifespan stops the engine loop, and the process exits 0. A second
+    signal stops uvicorn at once (its own handling: a third Ctrl-C forces the exit)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_deadline: float | None = None  # set by the first signal
+        self._drain_logged = False
+
+    def handle_exit(self, sig, frame):
+        if self._drain_deadline is None:  # not uvicorn's handle_exit: that closes the port now
+            self._drain_deadline = time.monotonic() + self.shutdown_timeout_s + _UVICORN_GRACE_S
+            self.engine.drain(self.shutdown_timeout_s)
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s in uvicorn's main loop: stop serving once a drain has ended."""
+        if self._drain_deadline is not None and not self.should_exit:
+            if not self._drain_logged:  # not from the signal handler: logging takes locks
+                self._drain_logged = True
+                logger.info("Draining: /health and new requests answer 503; in-flight requests "
+                            "may run %.1f s more", self.shutdown_timeout_s)
+            if self.engine.drained or time.monotonic() > self._drain_deadline:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig, access_log: bool = False) -> None:
     if not allocator.use_one_arena():
         logger.debug("mallopt(M_ARENA_MAX) unavailable: the allocator keeps its per-thread arenas")
