@@ -396,3 +396,27 @@ def test_a_lone_sequence_filling_the_pool_can_still_replay(tiny_model):
         engine.check_integrity()
     assert done[request_id].outputs[0].finish_reason == "length"
     assert done[request_id].stats.replays > 0  # it replayed, through the blocks its index slots stood for
+
+
+def test_a_continued_session_whose_dropped_blocks_all_come_back_from_the_cache_prefills(tiny_model):
+    """Found by the state machine (long run): a kept session continued under replay, every
+    dropped block of it still in the prefix cache; admission restored them, the replay had
+    nothing left, and the step scheduled nothing ("running work but nothing scheduled")."""
+    EngineMachine.model = tiny_model
+    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
+        EngineMachine.references = References(tiny_model)
+    state = EngineMachine()
+    state.build(policy="replay", threshold=0.2, block_size=16, layered=True, memory="256KiB", ratio=0.25,
+                caching=True, batched=32, trim="admission", max_seqs=2)
+    state.add(beam=1, ignore_eos=True, keep=True, length=289, max_tokens=13, n=1, protected=0, seeded=True,
+              shared=0, stop=None, temperature=0.0)
+    state.abort(after=0, pick=0)
+    state.step(count=4)
+    state.add(beam=1, ignore_eos=False, keep=True, length=251, max_tokens=37, n=1, protected=0, seeded=False,
+              shared=0, stop="e", temperature=0.0)
+    state.step(count=16)
+    state.continue_or_release(keep=False, length=15, max_tokens=6, pick=3, release=False)
+    state.perturb_fingerprint(pick=1)
+    state.abort(after=3, pick=4)
+    state.pool_is_consistent()
+    state.teardown()  # drains every request, checking each step

@@ -259,7 +259,8 @@ class Scheduler:
         what the prefix cache holds comes back for free. Returns tokens used."""
         block_size = self.kv.block_size
         if not self.replay.restore_cached(seq, self.num_steps):
-            return 0
+            # everything came back from the prefix cache: a resumed session prefills its new turn now
+            return self._schedule_prefill(seq, budget, batch) if seq.num_uncomputed_tokens > 1 else 0
         dropped = self.replay.replay_left(seq)
         stop = self.replay.replay_stop(seq)  # a tail read from the session tier meanwhile
         run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset
