@@ -48,6 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stream_gaps import paste_text, percentile  # noqa: E402
@@ -116,6 +117,16 @@ class Server:
             return self.process.wait()
 
 
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of the server's /metrics (prometheus_client's parser), or None if absent."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
 def bad_bodies(model: str, context_tokens: int) -> list[tuple[str, str | bytes]]:
     """(path, body) pairs that must each get a 4xx."""
     long_prompt = paste_text(CHARS_PER_TOKEN * context_tokens * 2)
@@ -152,6 +163,11 @@ class Soak:
         self.outcomes[(kind, str(status))] += 1
         if not expected:
             self.errors.append(f"{kind}: {status} {detail}"[:300])
+
+    def _record_lost(self, error: Exception) -> None:
+        """A connection error: expected while the server is down (killed), an error otherwise."""
+        up = self.server.up
+        self._record("transport" if up else "killed", type(error).__name__, not up, str(error))
 
     async def _good(self, client: httpx.AsyncClient, rng: random.Random, history: list) -> None:
         stream, chat = rng.random() < 0.5, rng.random() < 0.5
@@ -245,8 +261,7 @@ class Soak:
                     else:
                         await self._good(client, rng, history)
                 except (httpx.TransportError, httpx.StreamError) as error:
-                    up = self.server.up
-                    self._record("killed" if not up else "transport", type(error).__name__, not up, str(error))
+                    self._record_lost(error)
 
     async def burst(self, client: httpx.AsyncClient) -> None:
         size = self.args.max_queued_seqs + 16
@@ -256,8 +271,7 @@ class Soak:
             try:
                 response = await client.post("/v1/completions", json=body)
             except httpx.TransportError as error:
-                self._record("killed" if not self.server.up else "transport", type(error).__name__,
-                             not self.server.up)
+                self._record_lost(error)
                 return
             if response.status_code == 429 and "retry-after" not in response.headers:
                 self.retry_after_missing += 1
@@ -293,14 +307,13 @@ async def run(args, server: Server, model: str, tier_dir: str) -> dict:
                     left = sorted(p.name for p in Path(tier_dir).rglob("*.tmp"))
                     files = len(list(Path(tier_dir).rglob("*.kvt")))
                     restart_s = await asyncio.to_thread(server.start)
-                    disk = re.search(r'^kvreplay_kv_tier_bytes\{tier="disk"\} (\S+)',
-                                     httpx.get(server.url + "/metrics", timeout=60).text, re.M)
+                    disk = metric(server.url, "kvreplay_kv_tier_bytes", tier="disk")
                     remaining = [n for n in (p.name for p in Path(tier_dir).rglob("*.tmp")) if f".{pid}." in n
                                  or f"-{pid}." in n]
                     crash.update(at_s=round(now - started, 1), killed_pid=pid, restart_s=round(restart_s, 1),
                                  temporaries_left=len(left), temporaries_after_restart=len(remaining),
                                  tier_files_at_kill=files,
-                                 tier_disk_mib_after_restart=round(float(disk.group(1)) / 2**20, 1) if disk else None)
+                                 tier_disk_mib_after_restart=round(disk / 2**20, 1) if disk is not None else None)
                     lives.append(dict(start_s=round(restart_s, 1), _t0=time.monotonic()))
                 if now >= next_burst and server.up:
                     next_burst = now + args.burst_every
@@ -310,25 +323,22 @@ async def run(args, server: Server, model: str, tier_dir: str) -> dict:
     wall = time.monotonic() - started
     lives[-1]["rss_end_mib"] = server.rss_mib()
     debug = httpx.get(server.url + "/debug/kv", timeout=60)
-    metrics = httpx.get(server.url + "/metrics", timeout=60).text
-    torn = re.search(r"^kvreplay_kv_tier_corrupted_files_total (\S+)", metrics, re.M)
-    loads = re.search(r"^kvreplay_kv_tier_loads_total (\S+)", metrics, re.M)
     if crash:
-        crash["torn_files_discarded"] = float(torn.group(1)) if torn else None
-        crash["tier_blocks_loaded_after_restart"] = float(loads.group(1)) if loads else None
+        crash["torn_files_discarded"] = metric(server.url, "kvreplay_kv_tier_corrupted_files_total")
+        crash["tier_blocks_loaded_after_restart"] = metric(server.url, "kvreplay_kv_tier_loads_total")
     exit_code = server.stop()
     for life in lives:
         life.pop("_t0", None)
         warm, end = life.get("rss_warm_mib"), life.get("rss_end_mib")
         if warm and end:
             life["rss_growth"] = round(end / warm - 1, 4)
-    served = [s for s in soak.latencies["stream"] + soak.latencies["whole"]]
     by_status = Counter()
     for (kind, status), count in soak.outcomes.items():
         by_status[status] += count
     return dict(
         wall_s=round(wall, 1), clients=args.clients, requests=sum(soak.outcomes.values()),
-        served=len(served), outcomes={f"{k} -> {s}": n for (k, s), n in sorted(soak.outcomes.items())},
+        served=sum(map(len, soak.latencies.values())),
+        outcomes={f"{k} -> {s}": n for (k, s), n in sorted(soak.outcomes.items())},
         by_status=dict(sorted(by_status.items())),
         five_xx=sum(n for s, n in by_status.items() if s.startswith("5")),
         errors=len(soak.errors), error_samples=soak.errors[:10], retry_after_missing=soak.retry_after_missing,

@@ -6,6 +6,7 @@ import pytest
 
 from kvreplay import LLM, SamplingParams
 from kvreplay.config import EngineConfig
+from token_helpers import seeded_tokens
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,6 @@ def test_trim_modes_and_the_default():
         EngineConfig(trim="eventually")
 
 
-def _tokens(count: int, seed: int) -> list[int]:
-    import torch
-    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_room_made_for_a_request_may_evict_its_prefix_hits_and_admission_looks_again(tiny_model):
     """Found by the server soak (an engine-loop TypeError, then 503s): dropping a middle to admit
     a request takes key-index blocks from the pool, which evicted cached blocks the request's
@@ -65,12 +61,12 @@ def test_room_made_for_a_request_may_evict_its_prefix_hits_and_admission_looks_a
               window_tokens=16, sink_tokens=4, max_num_seqs=8)
     engine = llm.engine
     capacity = engine.kv.num_blocks * 8
-    bases = [_tokens(rng.randrange(8, 48), 1040 + i) for i in range(3)]
+    bases = [seeded_tokens(rng.randrange(8, 48), 1040 + i) for i in range(3)]
     trims = 0
     for step in range(300):
         if rng.random() < 0.3 and len(engine.requests) < 8:
             base = rng.choice(bases) if rng.random() < 0.7 else []
-            prompt = (base + _tokens(rng.randrange(4, max(5, capacity // 2)), 4000 + step))[: capacity // 2]
+            prompt = (base + seeded_tokens(rng.randrange(4, max(5, capacity // 2)), 4000 + step))[: capacity // 2]
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(4, 40), temperature=0,
                                                       ignore_eos=True))
         if engine.has_unfinished_requests():

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvreplay import LLM, SamplingParams
+from token_helpers import seeded_tokens
 
 OWN_COUNTERS = ("completion_tokens", "dropped_tokens", "replays", "replayed_tokens", "cold_blocks",
                 "approx_tokens", "replay_mismatches", "pauses", "preemptions")
@@ -30,15 +31,11 @@ TARGET = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True)
 
 
-def _tokens(count: int, seed: int) -> list[int]:
-    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _others(seed: int) -> list[tuple[list[int], SamplingParams]]:
     """Random company: prompts of 20-400 tokens, greedy and sampled, n up to 2."""
     rng = torch.Generator().manual_seed(seed)
     draws = torch.randint(0, 1 << 30, (5, 4), generator=rng).tolist()
-    return [(_tokens(20 + a % 380, b), SamplingParams(max_tokens=8 + c % 40, temperature=0.8 * (d % 2),
+    return [(seeded_tokens(20 + a % 380, b), SamplingParams(max_tokens=8 + c % 40, temperature=0.8 * (d % 2),
                                                          n=1 + (d // 2) % 2, ignore_eos=True))
             for a, b, c, d in draws]
 
@@ -59,7 +56,7 @@ def _run(model: str, policy: str, threads: int, company: int | None, memory: str
                 engine.add_request(prompt, params_)
             for _ in range(10 if late else 0):
                 engine.step()
-        target = engine.add_request(_tokens(target_tokens, 99), params)
+        target = engine.add_request(seeded_tokens(target_tokens, 99), params)
         done = {}
         while engine.has_unfinished_requests():
             for out in engine.step():

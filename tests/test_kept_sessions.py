@@ -5,10 +5,10 @@ clear errors. A tiny random Llama (conftest.py) on fp32, integrity checked after
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvreplay import LLM, SamplingParams
 from kvreplay.kv.manager import DROPPED
+from token_helpers import seeded_tokens
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -16,10 +16,6 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def _llm(model: str, policy: str = "full", memory: str = "4MiB", **knobs) -> LLM:
     return LLM(model=model, dtype="float32", kv_cache_memory=memory, policy=policy, window_tokens=64,
                enable_prefix_caching=False, **knobs)
-
-
-def _tokens(count: int, seed: int) -> list[int]:
-    return torch.randint(100, 40000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _check(engine) -> None:
@@ -41,7 +37,7 @@ def test_full_continues_a_kept_round_exactly(tiny_model):
     """Round 2 over the kept KV gives the tokens of the same prompt computed from scratch, and
     computes only what round 1 had not."""
     llm = _llm(tiny_model)
-    first, follow = _tokens(300, 1), _tokens(40, 2)
+    first, follow = seeded_tokens(300, 1), seeded_tokens(40, 2)
     one, two = _two_rounds(llm, first, follow)
     assert two.stats.prefix_hit_tokens == len(_all(one)) - 1  # the last sampled token had no K/V
     assert one.stats.prefix_hit_tokens == 0 and one.stats.completion_tokens == 8  # its own counters
@@ -55,7 +51,7 @@ def test_full_continues_a_kept_round_exactly(tiny_model):
 def test_snapkv_keeps_its_first_rounds_choice_and_replay_brings_its_middle_back(tiny_model):
     """SnapKV chose its blocks for round 1: round 2 attends without what it evicted (no replay,
     the holes stay). Replay dropped its middle too, and replays it before round 2's tokens."""
-    first, follow = _tokens(640, 3), _tokens(48, 4)
+    first, follow = seeded_tokens(640, 3), seeded_tokens(48, 4)
     snap = _llm(tiny_model, "snapkv", resident_ratio=0.25)
     one = snap.generate(first, PARAMS, keep=True, on_step=_check)
     holes = [i for i, b in enumerate(snap.engine.kv.block_table(
@@ -80,14 +76,14 @@ def test_kept_sessions_give_way_to_waiting_work(tiny_model):
     and when a new request could not run otherwise."""
     llm = _llm(tiny_model, memory="1MiB")
     capacity = llm.engine.kv.capacity_tokens
-    kept = [llm.generate(_tokens(300, 10 + i), PARAMS, keep=True, on_step=_check).request_id
+    kept = [llm.generate(seeded_tokens(300, 10 + i), PARAMS, keep=True, on_step=_check).request_id
             for i in range(capacity // 300)]
     assert kept[-1] in llm.engine.sessions and kept[0] not in llm.engine.sessions  # above high
-    big = llm.generate(_tokens(capacity - 300, 99), PARAMS, on_step=_check)
+    big = llm.generate(seeded_tokens(capacity - 300, 99), PARAMS, on_step=_check)
     assert big.outputs[0].finish_reason == "length"
     assert not llm.engine.sessions  # all released, for the big one
     with pytest.raises(ValueError, match="no kept session"):
-        llm.generate(_tokens(400, 10), PARAMS, continues=[kept[0]])
+        llm.generate(seeded_tokens(400, 10), PARAMS, continues=[kept[0]])
     for request_id in kept:
         llm.release(request_id)
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
@@ -95,11 +91,11 @@ def test_kept_sessions_give_way_to_waiting_work(tiny_model):
 
 def test_bad_continuations_are_clear_errors_and_keep_the_session(tiny_model):
     llm = _llm(tiny_model)
-    one = llm.generate(_tokens(100, 5), PARAMS, keep=True)
+    one = llm.generate(seeded_tokens(100, 5), PARAMS, keep=True)
     with pytest.raises(ValueError, match="no kept session"):
         llm.generate(_all(one) + [5], PARAMS, continues=["nope"])
     with pytest.raises(ValueError, match="does not extend"):
-        llm.generate(_tokens(120, 6), PARAMS, continues=[one.request_id])
+        llm.generate(seeded_tokens(120, 6), PARAMS, continues=[one.request_id])
     with pytest.raises(ValueError, match="does not extend"):  # nothing new to compute
         llm.generate(_all(one)[:-1], PARAMS, continues=[one.request_id])
     with pytest.raises(ValueError, match="n=1"):
@@ -120,7 +116,7 @@ def test_blocks_computed_without_a_dropped_range_are_not_offered_as_exact(tiny_m
     cache, not the decoded ones (they would be approximate K/V served as exact)."""
     llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="4MiB", policy="replay",
               window_tokens=64, resident_ratio=0.25, trim="prefill", replay_threshold=1.0, heavy_tokens=0)
-    prompt = _tokens(640, 7)
+    prompt = seeded_tokens(640, 7)
     one = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), on_step=_check)
     assert one.stats.dropped_tokens > 0 and one.stats.approx_tokens == 39
     two = llm.generate(prompt + one.token_ids[:32], PARAMS, on_step=_check)
