@@ -74,9 +74,13 @@ class FakeEngine:
 
 
 def _client(engine: FakeEngine) -> TestClient:
-    llm = SimpleNamespace(engine=engine, tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c, tools=None: [0, 1, 2],
-                          system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0,
-                          recent_rounds_start=lambda c: 1 if len(c) > 3 else None)
+    template = SimpleNamespace(tokenizer=FakeTokenizer(), chat_prompt_ids=lambda c, tools=None: [0, 1, 2],
+                               tokenize=engine.tokenize,
+                               system_span_tokens=lambda c: 2 if c[0]["role"] == "system" else 0,
+                               recent_rounds_start=lambda c: 1 if len(c) > 3 else None)
+    template.private_copy = lambda: template
+    engine.chat_template = template
+    llm = SimpleNamespace(engine=engine, tokenizer=template.tokenizer)
     return TestClient(build_app(AsyncEngine(llm), ServerConfig()))
 
 

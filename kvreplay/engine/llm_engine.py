@@ -11,12 +11,13 @@ import torch
 from kvreplay.config import EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
+from kvreplay.engine.chat_template import ChatTemplate
 from kvreplay.engine.counters import EngineCounters
 from kvreplay.engine.grammar import Grammars
 from kvreplay.engine.layered_pass import layered_work_bytes
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
-from kvreplay.engine.request import Request, check_request, prompt_token_ids
+from kvreplay.engine.request import Request, check_request
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.engine.sessions import KeptSessions
@@ -75,6 +76,7 @@ class LLMEngine:
                                   if config.kv_policy.selects_per_step else None)
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.chat_template = ChatTemplate(self.tokenizer, cfg.vocab_size, config.hot_turns)
         self.requests: dict[str, Request] = {}
         self.sessions = KeptSessions(self.kv.free)  # finished requests kept for their next round
         self.counters = EngineCounters()
@@ -83,7 +85,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+        return self.chat_template.tokenize(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,

@@ -105,7 +105,7 @@ async def completions(request: Request):
 
 async def _handle(request: Request, model: type[pydantic.BaseModel], shape_class, chat: bool):
     state: ServerState = request.app.state.server
-    body = await _parse(request, model, state.config.max_request_bytes)
+    body = await parse_body(request, model, state.config.max_request_bytes)
     state.check_model(body.model)
     tools = _tools(state, body) if chat else None
     params = _sampling_params(body, tools)
@@ -129,7 +129,9 @@ def _tools(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None
     return tools
 
 
-async def _parse(request: Request, model: type[pydantic.BaseModel], max_bytes: int):
+async def parse_body(request: Request, model: type[pydantic.BaseModel], max_bytes: int):
+    """The request's JSON body as `model`: 413 past `max_bytes` (read in chunks, never whole),
+    400 naming the first invalid field."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the request body has {declared} bytes; the limit is {max_bytes}")

@@ -11,7 +11,6 @@ at a lower OS priority (`tokenize_nice`): the streams keep their pace, a long pr
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import threading
@@ -38,7 +37,7 @@ class PromptPreparer:
     """Checks and tokenizes prompts (strings, token ids, or conversations) for one LLM.
 
     Args:
-        llm: the loaded model; only a view of it with its own tokenizer is used here.
+        llm: the loaded model; only a private copy of its chat template (and tokenizer) is used here.
         max_prompt_bytes: a prompt over this many UTF-8 bytes is refused before tokenizing
             (None: PROMPT_BYTES_PER_TOKEN per token of the context).
         nice: added to the tokenizing thread's OS niceness (Linux: per thread; 0 leaves it).
@@ -47,7 +46,7 @@ class PromptPreparer:
     def __init__(self, llm, max_prompt_bytes: int | None = None, nice: int = 0):
         self.max_model_len = llm.engine.max_model_len
         self.max_prompt_bytes = max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
-        self._llm = _private_view(llm)
+        self._template = llm.engine.chat_template.private_copy()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvreplay-tokenize",
                                             initializer=_lower_priority, initargs=(nice,))
 
@@ -84,16 +83,16 @@ class PromptPreparer:
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens included, made on the tokenizing thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._llm.tokenizer.decode, token_ids)
+        return await loop.run_in_executor(self._executor, self._template.tokenizer.decode, token_ids)
 
     # ------------------------------------------------------------------ tokenizing thread
     def _tokenize(self, prompt, add_special_tokens: bool, add_generation_prompt: bool) -> list[int]:
-        tokenizer = self._llm.tokenizer
+        tokenizer = self._template.tokenizer
         if isinstance(prompt, str):
             return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         try:
             if add_generation_prompt and not add_special_tokens:
-                return self._llm.chat_prompt_ids(prompt)
+                return self._template.chat_prompt_ids(prompt)
             text = tokenizer.apply_chat_template(prompt, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
             return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
@@ -105,19 +104,19 @@ class PromptPreparer:
                 for prompt in prompts]
 
     def _prepare_text(self, prompt) -> PreparedPrompt:
-        token_ids = self._llm.engine.tokenize(prompt)  # token ids: checked against the vocabulary
+        token_ids = self._template.tokenize(prompt)  # token ids: checked against the vocabulary
         self._check_tokens(len(token_ids))
         return PreparedPrompt(token_ids)
 
     def _prepare_chat(self, conversation: list[dict[str, str]], tools: list[dict] | None) -> PreparedPrompt:
-        llm = self._llm
+        template = self._template
         try:
-            token_ids = llm.chat_prompt_ids(conversation, tools)
+            token_ids = template.chat_prompt_ids(conversation, tools)
             self._check_tokens(len(token_ids))
             if tools:  # the spans below are found from renderings without the tools
                 return PreparedPrompt(token_ids)
-            return PreparedPrompt(token_ids, llm.system_span_tokens(conversation),
-                                  llm.recent_rounds_start(conversation))
+            return PreparedPrompt(token_ids, template.system_span_tokens(conversation),
+                                  template.recent_rounds_start(conversation))
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
 
@@ -139,15 +138,3 @@ def _lower_priority(nice: int) -> None:
     except OSError as exc:
         logger.warning("could not lower the tokenizing thread's priority: %s", exc)
 
-
-def _private_view(llm):
-    """A shallow copy of `llm` (and of its engine) whose tokenizer is a private deep copy: the
-    tokenizing thread calls only its tokenizing methods (chat_prompt_ids, system_span_tokens,
-    recent_rounds_start, engine.tokenize) and the private tokenizer itself (/v1/tokenize,
-    /v1/detokenize), which read nothing the engine thread changes."""
-    tokenizer = copy.deepcopy(llm.tokenizer)
-    engine = copy.copy(llm.engine)
-    engine.tokenizer = tokenizer
-    view = copy.copy(llm)
-    view.tokenizer, view.engine = tokenizer, engine
-    return view

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvreplay.server.completions import _parse as parse_body
+from kvreplay.server.completions import parse_body
 from kvreplay.server.generation import PromptTooLongError
 from kvreplay.server.protocol import ChatMessage
 from kvreplay.server.state import ApiError, ServerState
