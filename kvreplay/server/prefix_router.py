@@ -61,7 +61,7 @@ class PrefixAffinityRouter(RequestRouter):
         """Ongoing requests (Serve's count) and waiting sequences, then KV usage in tenths (the
         replica's stats, refreshed every second), then the new prefixes it was given: a tie
         spreads new conversations evenly."""
-        ongoing = self._replica_queue_len_cache.get(replica.replica_id) or 0
+        ongoing = self.replica_queue_len_cache.get(replica.replica_id) or 0
         stats = replica.routing_stats or {}
         return (ongoing + stats.get("waiting", 0), round(stats.get("kv_usage", 0.0), 1),
                 self.new_prefixes.get(replica.replica_id, 0))
@@ -75,10 +75,14 @@ class PrefixAffinityRouter(RequestRouter):
             first = next(self._turns) % len(ordered)
             return [[replica] for replica in ordered[first:] + ordered[:first]]
         by_load = sorted(ordered, key=self._load)
-        owner = self._owner_of(_hashes_of(pending_request), {r.replica_id: r for r in ordered})
+        hashes = _hashes_of(pending_request)
+        owner = self._owner_of(hashes, {r.replica_id: r for r in ordered})
         if owner is not None and self._load(owner)[0] <= self._load(by_load[0])[0] + self.imbalance:
-            return [[owner]] + [[r] for r in by_load if r is not owner]
-        return [[replica] for replica in by_load]
+            ranked = [owner] + [r for r in by_load if r is not owner]
+        else:
+            ranked = by_load
+        self._remember(hashes, ranked[0].replica_id, new=owner is None)
+        return [[replica] for replica in ranked]
 
     def _owner_of(self, hashes: list[int], replicas: dict) -> RunningReplica | None:
         for block_hash in reversed(hashes):  # the longest shared prefix first
@@ -87,9 +91,11 @@ class PrefixAffinityRouter(RequestRouter):
                 return owner
         return None
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        hashes = _hashes_of(pending_request)
-        if hashes and hashes[0] not in self.owner:
+    def _remember(self, hashes: list[int], replica_id: ReplicaID, new: bool) -> None:
+        """`replica_id` now holds `hashes` (recorded at the choice: Serve calls
+        on_request_routed only under its rejection protocol). A retry after a rejection
+        chooses again and overwrites this."""
+        if hashes and new:
             self.new_prefixes[replica_id] = self.new_prefixes.get(replica_id, 0) + 1
         if len(self.owner) + len(hashes) > REMEMBERED_HASHES:
             self.owner.clear()

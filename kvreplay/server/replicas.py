@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -164,6 +165,18 @@ def build_application(engine_config: EngineConfig, config: ServerConfig):
     return ingress.bind(engines.bind(engine_fields, server_fields, config.replica_threads))
 
 
+def _wait_for_replicas(count: int, timeout_s: float = 600.0) -> None:
+    """Until `count` engine replicas run (serve.run may return once the first is healthy)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        application = serve.status().applications.get("kvreplay")
+        engines = application.deployments.get("kvreplay-engine") if application else None
+        if engines is not None and engines.replica_states.get("RUNNING", 0) >= count:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{count} engine replicas did not all start in {timeout_s:.0f} s")
+
+
 def run_replicas(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Start (or join) the Ray cluster, run the application until SIGTERM or Ctrl-C."""
     import ray
@@ -173,6 +186,7 @@ def run_replicas(engine_config: EngineConfig, config: ServerConfig) -> None:
         ray.init(num_cpus=config.replicas * config.replica_threads + 1, include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_application(engine_config, config), name="kvreplay", route_prefix="/")
+    _wait_for_replicas(config.replicas)
     print(f"serving '{config.served_model_name}' on http://{config.host}:{config.port}/v1 with "
           f"{config.replicas} replicas ({config.replica_routing} routing)", flush=True)
     stop = threading.Event()
