@@ -85,6 +85,13 @@ def check_device(device) -> None:
         raise ValueError(f"device={device!r} but torch sees no CUDA GPU; use device='cpu'")
 
 
+def _check_endpoint(name: str, value) -> str | None:
+    if value is not None and not (isinstance(value, str) and value.split("://")[0] in ("tcp", "ipc", "inproc")
+                                  and "://" in value and value.split("://", 1)[1]):
+        raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557 or ipc:///tmp/kv, got {value!r}")
+    return value
+
+
 def _check_ratio(name: str, value, owner) -> float | None:
     value = check_number(name, value, 0, 1, low_open=True, optional=True, what="a share of full KV")
     if value is None and owner.kv_policy.needs_ratio:
@@ -252,6 +259,12 @@ class EngineConfig:
                 "recompute its head while its tail is read, whichever the measured rates predict "
                 "fastest), load, or recompute",
         choices=TIER_CHOICES, check=one_of(TIER_CHOICES))
+    kv_events: str | None = knob(
+        None, "publish KV events on a ZMQ PUB socket bound to this endpoint (e.g. tcp://*:5557), "
+              "in vLLM's format (msgpack KVEventBatch: BlockStored, BlockRemoved, "
+              "AllBlocksCleared) with each block's tier in the medium field: hot, cold or "
+              "dropped (replayable); needs pyzmq and msgpack (the serve extra)", type=str,
+        default_help="none: off", check=lambda name, value, owner: _check_endpoint(name, value))
 
     def __post_init__(self):
         check_knobs(self)

@@ -33,6 +33,15 @@ def run_serve(args) -> int:
         print(f"warning: serving on {config.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
 
+    if config.replicas:
+        try:
+            from kvreplay.server.replicas import run_replicas
+        except ImportError as exc:
+            print(f"error: --replicas needs Ray Serve ({exc.name} is missing): "
+                  f"pip install 'kvreplay[serve]'", file=sys.stderr)
+            return 2
+        run_replicas(engine_config, config)
+        return 0
     from kvreplay.server.runner import run_server
     run_server(engine_config, config, access_log=args.access_log)
     return 0

@@ -14,6 +14,7 @@ from kvreplay.engine.calibration import replay_knobs
 from kvreplay.engine.chat_template import ChatTemplate
 from kvreplay.engine.counters import EngineCounters
 from kvreplay.engine.grammar import Grammars
+from kvreplay.engine.kv_events import KVEventPublisher
 from kvreplay.engine.layered_pass import layered_work_bytes
 from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
@@ -82,6 +83,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
         self._next_id = 0
+        self.kv_events = KVEventPublisher(config.kv_events, config.block_size) if config.kv_events else None
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -156,6 +158,8 @@ class LLMEngine:
                 self._finish(seq, "abort")
             seq.forks = []
         self.counters.requests_aborted += 1
+        if self.kv_events is not None:
+            self.kv_events.publish(self)
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -172,6 +176,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns an output for each request that made progress."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         high = self.scheduler.watermarks.high * self.kv.num_blocks  # kept sessions give way first
         self.sessions.release_while(lambda: self.kv.num_used_blocks > high)
         batch = self.scheduler.schedule()

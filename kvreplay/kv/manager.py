@@ -262,11 +262,11 @@ class KVManager:
             assert through_dropped or table[index] != DROPPED, \
                 f"seq {seq_id}: block {index} dropped before it was hashed"
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            parent = self._hash_fn(parent, tokens, extra)
+            before, parent = parent, self._hash_fn(parent, tokens, extra)
             hashes.append(parent)
             exact = approx_from is None or (index + 1) * self.block_size <= approx_from
             if exact and table[index] != DROPPED and not self.pool.cache.is_cached(table[index]):
-                self.pool.cache.insert(table[index], parent, tokens)
+                self.pool.cache.insert(table[index], parent, tokens, before)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """`child_id` shares every block of `parent_id` (n > 1 branches, beams)."""

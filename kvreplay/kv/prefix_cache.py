@@ -33,6 +33,7 @@ class PrefixCache:
     def __init__(self):
         self._block_by_hash: dict[int, int] = {}
         self._key_by_block: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._parent_by_hash: dict[int, int | None] = {}  # for KV events (engine/kv_events.py)
         self.queries = 0      # blocks looked up
         self.hits = 0         # blocks found with matching tokens
         self.collisions = 0   # hash found, tokens differ
@@ -51,20 +52,29 @@ class PrefixCache:
         self.hits += 1
         return block
 
-    def insert(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> bool:
-        """Index `block`. False when the hash is already taken (same content computed twice, or
-        a collision): the first block keeps the entry, this one stays unindexed."""
+    def insert(self, block: int, block_hash: int, tokens: tuple[int, ...],
+               parent: int | None = None) -> bool:
+        """Index `block` (`parent`: the hash of the block before it, None for a first block).
+        False when the hash is already taken (same content computed twice, or a collision): the
+        first block keeps the entry, this one stays unindexed."""
         assert block not in self._key_by_block, f"block {block} is already cached"
         if block_hash in self._block_by_hash:
             return False
         self._block_by_hash[block_hash] = block
         self._key_by_block[block] = (block_hash, tokens)
+        self._parent_by_hash[block_hash] = parent
         return True
 
     def forget(self, block: int) -> None:
         key = self._key_by_block.pop(block, None)
         if key is not None:
             del self._block_by_hash[key[0]]
+            del self._parent_by_hash[key[0]]
+
+    def entries(self):
+        """(hash, parent hash, tokens) of every cached block."""
+        for block_hash, tokens in self._key_by_block.values():
+            yield block_hash, self._parent_by_hash[block_hash], tokens
 
     def is_cached(self, block: int) -> bool:
         return block in self._key_by_block
@@ -74,6 +84,7 @@ class PrefixCache:
 
     def check_integrity(self, block_size: int) -> None:
         assert len(self._block_by_hash) == len(self._key_by_block), "hash index and block keys differ"
+        assert self._parent_by_hash.keys() == self._block_by_hash.keys(), "parent hashes and hash index differ"
         for block, (block_hash, tokens) in self._key_by_block.items():
             assert self._block_by_hash.get(block_hash) == block, f"block {block}: hash not indexed"
             assert len(tokens) == block_size, f"block {block}: cached with {len(tokens)} tokens"

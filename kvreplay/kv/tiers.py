@@ -244,7 +244,9 @@ class TierMoves:
             if self.kv.enable_prefix_caching and not approximate and index < len(self.kv._hashes[seq_id]) \
                     and not self.kv.pool.cache.is_cached(table[index]):
                 tokens = tuple(token_ids[index * self.kv.block_size:(index + 1) * self.kv.block_size])
-                self.kv.pool.cache.insert(table[index], self.kv._hashes[seq_id][index], tokens)
+                hashes = self.kv._hashes[seq_id]
+                self.kv.pool.cache.insert(table[index], hashes[index], tokens,
+                                          hashes[index - 1] if index else None)
         self.rebalance_reserve()
         return mismatches
 

@@ -88,7 +88,7 @@ class _Gatekeeper:
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The app for one loaded engine. Its lifespan starts the engine loop and, on shutdown
     (after SIGTERM's drain, runner.py), aborts what is left and stops it."""
-    metrics = ServerMetrics(lambda: engine.snapshot)
+    metrics = ServerMetrics(lambda: engine.snapshot, config.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

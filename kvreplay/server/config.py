@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvreplay.models.hub_cache import is_repo_id
-from kvreplay.validate import boolean, check_knobs, ints, knob, knob_docs, numbers
+from kvreplay.validate import boolean, check_choice, check_knobs, ints, knob, knob_docs, numbers
 
 DEFAULT_MODEL_NAME = "kvreplay-default"
 API_KEY_ENV = "KVREPLAY_API_KEY"
 # max_prompt_bytes' default per token of the model's context: text averages 3-5 bytes a token,
 # so a prompt over this many bytes cannot fit the context, and is refused before tokenizing
 PROMPT_BYTES_PER_TOKEN = 16
+ROUTINGS = ("prefix", "round-robin")
 
 
 def _non_empty_name(name, value, owner):
@@ -82,8 +83,24 @@ class ServerConfig:
         False, "serve GET /metrics without the API key (for Prometheus scrapers); every other "
                "route but /health still needs it", check=boolean)
 
+    replicas: int = knob(
+        0, "engine replicas behind the app on Ray Serve (docs/multi-node.md), each request "
+           "routed to the replica that holds its prefix, else the least loaded; 0: one engine in "
+           "this process, no Ray (needs the serve extra)", check=ints(0))
+    ray_address: str | None = knob(
+        None, "with --replicas: the Ray cluster to join (e.g. ray://head:10001 or auto)",
+        type=str, default_help="a local cluster started for this server")
+    replica_threads: int = knob(
+        1, "with --replicas: CPU threads (and Ray CPUs) per replica", check=ints(1))
+    replica_routing: str = knob(
+        "prefix", "with --replicas: prefix (affinity by the prompt's first blocks, falling back "
+                  "to the least loaded by queue depth and KV usage) or round-robin",
+        choices=ROUTINGS, check=lambda name, value, owner: check_choice(name, value, ROUTINGS))
+
     def __post_init__(self):
         check_knobs(self)
+        if self.ray_address is not None and not self.replicas:
+            raise ValueError("--ray-address needs --replicas N: the replicas run on that cluster")
 
     @property
     def is_loopback(self) -> bool:

@@ -1,4 +1,5 @@
-"""Prometheus metrics (docs/architecture.md §7), prefix `kvreplay_`.
+"""Prometheus metrics (docs/architecture.md §7), prefix `kvreplay_`, plus vLLM's names for the
+series that routers scrape (llm-d's scheduler, Dynamo's router; docs/multi-node.md).
 
 Engine-side values come from the snapshot the engine thread publishes after each step, read at
 scrape time by a custom collector, so the HTTP thread never reads live engine state. Per-request
@@ -65,11 +66,13 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class _EngineCollector:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
         self._snapshot = snapshot
+        self._labels = [model_name, "0"]  # vLLM's labels: model_name, engine
 
     def collect(self):
         snap = self._snapshot()
+        yield from self._vllm_names(snap)
         usage = GaugeMetricFamily("kvreplay_kv_usage_ratio", "Fraction of KV blocks in use, per tier",
                                   labels=["tier"])
         total = snap.num_blocks or 1
@@ -111,13 +114,38 @@ class _EngineCollector:
             yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.tier.get(source, 0))
 
 
+    def _vllm_names(self, snap: EngineSnapshot):
+        """The gauges and counters routers read, under vLLM's names and labels, from the same
+        snapshot as the kvreplay_ series they mirror: requests running and waiting, the used
+        share of the pool (`kvreplay_kv_blocks` used / all), and prompt tokens looked up in the
+        prefix cache against those found there (`kvreplay_prompt_tokens_total`,
+        `kvreplay_prefix_cache_hit_tokens_total`; hits are counted when a request ends)."""
+        labels = ["model_name", "engine"]
+        for name, doc, value in [
+                ("vllm:num_requests_running", "Sequences in the running batch", snap.num_running),
+                ("vllm:num_requests_waiting", "Sequences waiting to be scheduled", snap.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full",
+                 snap.num_used_blocks / snap.num_blocks if snap.num_blocks else 0.0)]:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(self._labels, value)
+            yield gauge
+        for name, doc, value in [
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 snap.counters.get("prompt_tokens", 0)),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 snap.request_stats.get("prefix_hit_tokens", 0))]:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(self._labels, value)
+            yield counter
+
+
 class ServerMetrics:
     """One registry per server (not the global one), so tests can run several apps."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str = "kvreplay-default"):
         disable_created_metrics()  # the *_created series only clutter a scrape
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(snapshot))
+        self.registry.register(_EngineCollector(snapshot, model_name))
         self.http_requests = Counter(
             "kvreplay_requests", "Generation requests answered, by endpoint and HTTP status",
             ["endpoint", "status"], registry=self.registry)
