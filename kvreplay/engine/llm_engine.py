@@ -86,9 +86,6 @@ class LLMEngine:
         self.kv_events = KVEventPublisher(config.kv_events, config.block_size) if config.kv_events else None
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.chat_template.tokenize(prompt)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,
                     protected_tokens: int = 0, hot_from: int | None = None, keep: bool = False,
@@ -104,7 +101,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.tokenize(prompt)
+        token_ids = self.chat_template.tokenize(prompt)
         max_tokens = check_request(token_ids, params, self.max_model_len, self.kv.capacity_tokens,
                                    self.config.kv_cache_memory, protected_tokens, hot_from)
         num_prompt = len(token_ids)
