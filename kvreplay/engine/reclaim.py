@@ -143,20 +143,32 @@ class Reclaimer:
             moved = True
         return moved
 
-    def room_to_admit(self, num_blocks: int) -> int:
+    def room_to_admit(self, num_blocks: int, step: int) -> int:
         """trim="admission": a waiting request does not fit under the `admit` watermark, so take
         up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
-        order, for it. Returns the blocks freed (0 under the other trim modes)."""
+        order, for it. Returns the blocks freed (0 under the other trim modes).
+
+        A sequence that replayed in the last `RETRIM_AFTER_STEPS` steps is left alone, as by the
+        ratio cap: a request the trim still does not let in (its prefix hits are the very
+        blocks the trim frees, say) would otherwise have it replay, be trimmed and replay
+        again at every step without decoding a token."""
         if self.trim != "admission" or not (self.policy.drops_middle and self.policy.trims_under_pressure):
             return 0
+        spared = {seq.seq_id for seq in self.running if self.replayed_lately(seq, step)}
         # Drop nothing unless it lets the request in: a partial trim would only cost quality.
         per_block = self.kv.bytes_freed_by_drop(False, self.policy.keeps_key_index) / self.kv.block_bytes
-        middles = sum(len(self.middle(seq)) for seq in self.running if self._trimmable(seq))
+        middles = sum(len(self.middle(seq)) for seq in self.running
+                      if seq.seq_id not in spared and self._trimmable(seq))
         if middles * per_block < num_blocks:
             return 0
         used = self.kv.num_used_blocks
-        self.trim_for_room(0, target_used=used - num_blocks)
+        self.trim_for_room(0, exclude=spared, target_used=used - num_blocks)
         return used - self.kv.num_used_blocks
+
+    @staticmethod
+    def replayed_lately(seq: Sequence, step: int) -> bool:
+        """Whether `seq` replayed in the last RETRIM_AFTER_STEPS steps (its middle stays)."""
+        return seq.replay.last_step >= 0 and step - seq.replay.last_step <= RETRIM_AFTER_STEPS
 
     def _trimmable(self, seq: Sequence) -> bool:
         """Not replaying, no prefill chunk in this batch, and, while it prefills, only when
@@ -201,10 +213,8 @@ class Reclaimer:
                 self._evict(seq, blocks)
         if self.resident_ratio is not None and self.policy.caps_each_step:
             for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
-                replayed_lately = seq.replay.last_step >= 0 and \
-                    step - seq.replay.last_step <= RETRIM_AFTER_STEPS
                 if seq.num_uncomputed_tokens == 1 and not self.replay.wants_replay(seq) \
-                        and not replayed_lately:
+                        and not self.replayed_lately(seq, step):
                     self._fit_ratio(seq)
 
     def _fit_ratio(self, seq: Sequence) -> None:

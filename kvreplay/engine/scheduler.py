@@ -164,7 +164,7 @@ class Scheduler:
             if self.running and committed + projected > admit_blocks:
                 # trim="admission" makes room, or it waits. Dropping takes key-index blocks from
                 # the pool, which may evict cached blocks among `hits`: then look again.
-                freed = self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1)
+                freed = self.reclaim.room_to_admit(int(committed + projected - admit_blocks) + 1, self.num_steps)
                 committed -= freed
                 if freed:
                     continue
