@@ -39,7 +39,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stream_gaps import paste_text, percentile  # noqa: E402
 
 from kvreplay.bench.workload import WorkloadSpec, sample_buckets_and_lengths  # noqa: E402
+from kvreplay.server import launch  # noqa: E402
 
 CHARS_PER_TOKEN = 4          # the Python docs through SmolLM2's tokenizer, roughly
 STARTUP_TIMEOUT_S = 900.0    # a first start may compile the CPU kernels
@@ -65,9 +65,7 @@ class Server:
     """One `kvreplay serve` process after another on the same port and flags."""
 
     def __init__(self, flags: list[str], log_path: str):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = launch.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags, self.log = flags, open(log_path, "a")
         self.process: subprocess.Popen | None = None
@@ -75,22 +73,14 @@ class Server:
 
     def start(self) -> float:
         """Start and wait until /health answers 200; the seconds it took."""
-        started = time.monotonic()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvreplay", "serve", "--port", str(self.port), *self.flags],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != "KVREPLAY_API_KEY"})
-        while time.monotonic() - started < STARTUP_TIMEOUT_S:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}: see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.up = True
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server was not healthy after {STARTUP_TIMEOUT_S:.0f} s: see {self.log.name}")
+        self.process = launch.spawn(self.flags, self.port, self.log,
+                                    env={k: v for k, v in os.environ.items() if k != "KVREPLAY_API_KEY"})
+        try:
+            seconds = launch.wait_healthy(self.process, self.url, STARTUP_TIMEOUT_S, poll_s=0.2)
+        except launch.ServerStartError as exc:
+            raise RuntimeError(f"{exc}: see {self.log.name}") from None
+        self.up = True
+        return seconds
 
     def rss_mib(self) -> float | None:
         try:
@@ -109,12 +99,7 @@ class Server:
 
     def stop(self) -> int:
         self.up = False
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return launch.stop(self.process, timeout_s=60)
 
 
 def metric(url: str, name: str, **labels: str) -> float | None:

@@ -40,15 +40,14 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 
 import httpx
+
+from kvreplay.server import launch
 
 MODES = ("off", "refused", "tokenized")
 CHAT_PATH = "/v1/chat/completions"
@@ -91,38 +90,20 @@ def server_args(mode: str, args) -> list[str]:
 @contextlib.contextmanager
 def serve(flags: list[str]):
     """A `kvreplay serve` process on a free loopback port; yields (base URL, log path)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = launch.free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="stream-gaps-serve-", suffix=".log", delete=False)
-    process = subprocess.Popen([sys.executable, "-m", "kvreplay", "serve", "--port", str(port), *flags],
-                               stdout=log, stderr=subprocess.STDOUT,
-                               env={k: v for k, v in os.environ.items() if k != "KVREPLAY_API_KEY"})
+    process = launch.spawn(flags, port, log, env={k: v for k, v in os.environ.items() if k != "KVREPLAY_API_KEY"})
     base_url = f"http://127.0.0.1:{port}"
     failed = True
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}: see {log.name}")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not healthy after {STARTUP_TIMEOUT_S:.0f} s: see {log.name}")
-            time.sleep(0.3)
+        try:
+            launch.wait_healthy(process, base_url, STARTUP_TIMEOUT_S)
+        except launch.ServerStartError as exc:
+            raise RuntimeError(f"{exc}: see {log.name}") from None
         yield base_url, log.name
         failed = False
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        launch.stop(process, timeout_s=60)
         log.close()
         if not failed:  # a failed run keeps its log, named in the error
             os.unlink(log.name)

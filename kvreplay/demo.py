@@ -8,29 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
-import urllib.request
+
+from kvreplay.server import launch
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 300.0
-
-
-def _wait_healthy(server: subprocess.Popen, base_url: str) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with status {server.returncode} before it was "
-                             f"ready (is the port already in use? try --port)")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not become healthy within {STARTUP_TIMEOUT_S:.0f} s")
 
 
 def _show_one_answer(base_url: str) -> None:
@@ -60,32 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     args, serve_args = parser.parse_known_args(argv)
     base_url = f"http://{HOST}:{args.port}"
-    command = [sys.executable, "-m", "kvreplay", "serve", "--host", HOST, "--port", str(args.port),
-               *serve_args]
-    print(f"starting: {' '.join(command[2:])}", flush=True)
-    server = subprocess.Popen(command)
+    serve_args = ["--host", HOST, *serve_args]
+    print(f"starting: kvreplay serve --port {args.port} {' '.join(serve_args)}", flush=True)
+    server = launch.spawn(serve_args, args.port)
     try:
-        _wait_healthy(server, base_url)
+        try:
+            launch.wait_healthy(server, base_url, STARTUP_TIMEOUT_S, poll_s=0.5)
+        except launch.ServerStartError as exc:
+            raise SystemExit(f"{exc} (is the port already in use? try --port)") from None
         _show_one_answer(base_url)
         return server.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the server too: let it finish cleanly
-        return _stop(server, already_signalled=True)
+        return launch.stop(server, already_signalled=True)
     except BaseException:
-        _stop(server, already_signalled=False)
+        launch.stop(server)
         raise
-
-
-def _stop(server: subprocess.Popen, already_signalled: bool) -> int:
-    """Wait for the server to shut down cleanly, nudging it with SIGTERM, then SIGKILL."""
-    nudges = [None] if already_signalled else []
-    for nudge in [*nudges, server.terminate, server.kill]:
-        if nudge is not None:
-            nudge()
-        try:
-            return server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            continue
-    return server.wait()
 
 
 if __name__ == "__main__":

@@ -2,22 +2,14 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
+from kvreplay.server import launch
+
 STARTUP_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
@@ -25,16 +17,15 @@ class ServerProcess:
     fill up and block the server), shown when a test needs it via `log()`."""
 
     def __init__(self, *extra_args: str, kv_cache_memory: str = "64MiB", api_key: str | None = None):
-        self.port = free_port()
+        self.port = launch.free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self._log = tempfile.NamedTemporaryFile("w+", prefix="kvreplay-serve-", suffix=".log")
-        command = [sys.executable, "-m", "kvreplay", "serve", "--dtype", "float32",
-                   "--port", str(self.port), "--kv-cache-memory", kv_cache_memory, *extra_args]
         env = dict(os.environ, KVREPLAY_API_KEY=api_key or "")
         if not api_key:
             env.pop("KVREPLAY_API_KEY")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.process = launch.spawn(["--dtype", "float32", "--kv-cache-memory", kv_cache_memory, *extra_args],
+                                    self.port, self._log, env)
 
     def log(self) -> str:
         self._log.flush()
@@ -46,29 +37,15 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        try:
+            launch.wait_healthy(self.process, self.base_url, STARTUP_TIMEOUT_S)
+        except launch.ServerStartError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log()}") from None
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then SIGKILL if it does not exit in time. Returns the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return launch.stop(self.process, timeout_s)
 
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.base_url + path, headers=self.headers, timeout=30, **kwargs)

@@ -14,7 +14,7 @@ msgpack = pytest.importorskip("msgpack")
 
 from kvreplay import LLM, SamplingParams  # noqa: E402
 from kvreplay.kv.held import held_blocks  # noqa: E402
-from tests.server_process import free_port  # noqa: E402
+from kvreplay.server.launch import free_port  # noqa: E402
 
 SHARED = random.Random(7).sample(range(100, 40000), 96)  # a common head: prefix hits
 

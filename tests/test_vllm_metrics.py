@@ -10,7 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_process import free_port, serving
+from kvreplay.server.launch import free_port
+from tests.server_process import serving
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
 
