@@ -445,3 +445,32 @@ def test_admission_does_not_trim_a_sequence_that_just_replayed_for_a_request_it_
         state.step(count=13)
     state.step(count=1)
     state.teardown()  # drains every request within its bound, checking each step
+
+
+def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_that_token(tiny_model):
+    """Found by the state machine: a lone sequence filling the pool under replay (layered
+    prefill, r=0.25). Its need-replay brought back the judged block with everything cached
+    before it, which put the pool over the high watermark; the next step's pressure trim took
+    the judged block again before the redone decode read it, the detector asked for it again,
+    and so on: no token for thousands of steps. A block is now asked for once per token."""
+    EngineMachine.model = tiny_model
+    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
+        EngineMachine.references = References(tiny_model)
+    state = EngineMachine()
+    state.build(policy="replay", memory="128KiB", block_size=16, ratio=0.25, threshold=0.2, trim="admission",
+                caching=True, layered=True, batched=32, max_seqs=2)
+    state.add(beam=1, ignore_eos=False, keep=False, length=268, max_tokens=30, n=1, protected=20, seeded=True,
+              shared=64, stop="the", temperature=0.0)
+    state.step(count=13)
+    state.add(beam=1, ignore_eos=True, keep=True, length=199, max_tokens=27, n=1, protected=0, seeded=False,
+              shared=24, stop="e", temperature=0.0)
+    state.step(count=17)
+    state.add(beam=1, ignore_eos=False, keep=False, length=300, max_tokens=15, n=1, protected=20, seeded=False,
+              shared=0, stop=None, temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=False, length=182, max_tokens=7, n=1, protected=0, seeded=True,
+              shared=64, stop=None, temperature=0.0)
+    state.step(count=9)
+    state.add(beam=1, ignore_eos=True, keep=True, length=125, max_tokens=6, n=1, protected=0, seeded=True,
+              shared=8, stop=["a", "."], temperature=0.0)
+    state.step(count=12)
+    state.teardown()  # drains every request within its bound, checking each step

@@ -269,6 +269,7 @@ class LLMEngine:
                 seq.note_approx(seq.num_computed_tokens, 1)
             seq.num_computed_tokens += 1
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.approx_from)
+            self.scheduler.replay.token_committed(seq)
         logits, sampled = result.logits, result.sampled
         if fired:
             keep = [row for row, seq in enumerate(sampled) if seq not in fired]

@@ -121,14 +121,25 @@ class ReplayTracker:
     def judge_needs(self, outcomes: list[NeedOutcome]) -> set[Sequence]:
         """Sequences whose dropped blocks the detector judged needed at this step: they replay
         the dropped blocks up to the needed one, in order (or only it, when the prefix cache
-        still holds it), then redo the step; threshold 0 asks for every dropped block."""
+        still holds it), then redo the step; threshold 0 asks for every dropped block.
+
+        A block is asked for at most once per token: when pressure (a full pool, an admission)
+        takes it again before the redone step reads it, that step decodes without it rather
+        than replay it again, so a sequence always makes progress."""
         fired = set()
         for outcome in outcomes:
+            seq = outcome.seq
+            if self.threshold > 0 and outcome.flagged in seq.replay.judged:
+                continue  # brought back for this token already, and taken again: decode without it
             if outcome.mass > self.threshold or self.threshold == 0:
-                fired.add(outcome.seq)
-                outcome.seq.replay.until = outcome.flagged if self.threshold > 0 else None
-                outcome.seq.replay.needed = True
+                fired.add(seq)
+                seq.replay.until = outcome.flagged if self.threshold > 0 else None
+                seq.replay.needed = True
+                seq.replay.judged.add(outcome.flagged)
         return fired
+
+    def token_committed(self, seq: Sequence) -> None:
+        seq.replay.judged.clear()
 
     def check_replayed(self, seq: Sequence, block_indices: list[int], num_tokens: int) -> int:
         """A replay chunk of `seq` has written its K/V: compare each block with its fingerprint

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class ReplayState:
     until: int | None = None     # ... up to and including this dropped block (None: all of them)
     active: bool = False         # a replay of dropped ranges is under way (counted once)
     last_step: int = -1          # scheduler step of the last replay: trimmed last under pressure
+    judged: set[int] = field(default_factory=set)  # blocks the detector asked for since the last token
 
 
 @dataclass
