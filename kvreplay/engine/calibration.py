@@ -14,11 +14,12 @@ every layer at two points of the same prompt:
   nothing).
 
 The detector reads the `ceil(layers / 8)` layers with the largest mean planted share less mean
-ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). The heavy-hitter
+ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). Its threshold
+lies between the two on the layers it reads (`choose_threshold`). The heavy-hitter
 budget is the smallest number of middle blocks that held the needle's block among the most
 observed ones (the prompt's last queries, as the engine scores them) in every case: at least 2,
 at most 8 blocks. Models with fewer than 8 layers, or without a file to key the result by, skip
-the pass and read every layer with 2 heavy blocks.
+the pass and read every layer with 2 heavy blocks and a threshold of 0.65.
 
 The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
 the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
@@ -43,13 +44,15 @@ from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2            # 2: the threshold is part of the result
 CASES = 6
 CASE_TOKENS = 1024
 OBSERVED = 4           # queries observed at each point
 WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
 MIN_LAYERS = 8
 HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
+THRESHOLD_FALLBACK = 0.65  # where no pass ran, or its layers do not tell a fact from plain text
+MIN_SEPARATION = 4.0   # planted / ordinary at least this: the threshold a factor 2 from each
 NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
          "the night train", "the glass garden")
 
@@ -61,9 +64,40 @@ class Calibration:
     source: str                 # "calibrated", "cached" or why no pass ran
     planted: tuple[float, ...] = ()   # per layer: mean share on the needle at the answer
     ordinary: tuple[float, ...] = ()  # per layer: mean largest other middle block share
+    replay_threshold: float = THRESHOLD_FALLBACK  # for need_layers, from planted and ordinary
 
     def describe(self) -> str:
-        return f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens} ({self.source})"
+        return (f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens}, "
+                f"replay_threshold={self.replay_threshold:g} ({self.source})")
+
+    def threshold_for(self, layers) -> float:
+        """The threshold for the detector reading `layers` (the configured ones may not be the
+        calibrated ones); the fallback when no pass ran."""
+        if not self.planted:
+            return self.replay_threshold
+        return choose_threshold(self.planted, self.ordinary, layers)
+
+
+def choose_threshold(planted, ordinary, layers) -> float:
+    """The need detector's threshold when it reads `layers`, from a calibration profile (per
+    layer: the mean share of a planted fact where its answer is copied, the mean largest share
+    plain text gives one other middle block).
+
+    The detector takes the largest share over the layers it reads, so each side is its largest
+    over `layers`; the threshold is their geometric mean (shares compare as ratios: the detector
+    subtracts log-sum-exps), as many times above plain text's share as below the fact's: on
+    SmolLM2-135M 0.15 and 0.92 give 0.37. The pass sees a fact at 1,024 tokens with every block
+    present; at 4K with the fact's block dropped the detector saw 0.12-0.46 on it
+    (docs/benchmarks.md §3), so a midpoint (0.53) would miss it. When the fact's share is not
+    MIN_SEPARATION times plain text's, no threshold tells them apart: THRESHOLD_FALLBACK."""
+    layers = sorted(layers)
+    if not layers or max(layers) >= min(len(planted), len(ordinary)):
+        raise ValueError(f"layers {format_layers(layers)} are not all in a profile of {len(planted)} layers")
+    fact = max(planted[i] for i in layers)
+    plain = max(max(ordinary[i] for i in layers), 1e-3)  # a zero would make the threshold 0: replay always
+    if fact < MIN_SEPARATION * plain:
+        return THRESHOLD_FALLBACK
+    return round(math.sqrt(fact * plain), 2)
 
 
 def format_layers(layers) -> str:
@@ -117,7 +151,7 @@ def read_cached(path: Path) -> Calibration | None:
     try:
         saved = json.loads(path.read_text())
         return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
-                           tuple(saved["planted"]), tuple(saved["ordinary"]))
+                           tuple(saved["planted"]), tuple(saved["ordinary"]), float(saved["replay_threshold"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -153,7 +187,8 @@ def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_
 
 def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int = CASES,
               seed: int = 0) -> Calibration:
-    """Run the planted-fact cases and choose the detector's layers and the heavy budget."""
+    """Run the planted-fact cases and choose the detector's layers, its threshold and the heavy
+    budget."""
     from pydoc_data.topics import topics
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     corpus = encode("\n\n".join(topics[key] for key in sorted(topics))[:200_000])
@@ -188,9 +223,11 @@ def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int
     count = math.ceil(model.config.num_layers / MIN_LAYERS)
     chosen = torch.argsort(planted_mean - ordinary_mean, descending=True, stable=True)[:count]
     heavy_blocks = min(max(max(ranks) + 1, HEAVY_BLOCKS[0]), HEAVY_BLOCKS[1])
-    return Calibration(tuple(sorted(int(i) for i in chosen)), heavy_blocks * block_size, "calibrated",
-                       tuple(round(float(v), 4) for v in planted_mean),
-                       tuple(round(float(v), 4) for v in ordinary_mean))
+    layers = tuple(sorted(int(i) for i in chosen))
+    planted_mean = tuple(round(float(v), 4) for v in planted_mean)
+    ordinary_mean = tuple(round(float(v), 4) for v in ordinary_mean)
+    return Calibration(layers, heavy_blocks * block_size, "calibrated", planted_mean, ordinary_mean,
+                       choose_threshold(planted_mean, ordinary_mean, layers))
 
 
 @torch.inference_mode()
@@ -218,16 +255,19 @@ def _observe(model, tokens: list[int], block_size: int, ends: tuple[int, ...],
     return observed
 
 
-def replay_knobs(config, model, tokenizer, source: str) -> tuple[frozenset[int] | None, int, Calibration | None]:
-    """The need detector's layers (None: all) and the heavy-hitter budget in tokens for this
-    engine: the configured values, with "auto" resolved by the model's calibration for the
-    policies that replay on need (need_layers: otherwise unused; heavy_tokens: otherwise 0)."""
+def replay_knobs(config, model, tokenizer, source: str
+                 ) -> tuple[frozenset[int] | None, int, float, Calibration | None]:
+    """The need detector's layers (None: all) and threshold, and the heavy-hitter budget in
+    tokens for this engine: the configured values, with "auto" resolved by the model's
+    calibration for the policies that replay on need (need_layers, replay_threshold: otherwise
+    unused; heavy_tokens: otherwise 0). An auto threshold follows the layers read, calibrated or
+    configured."""
     from kvreplay.config import AUTO
     from kvreplay.kernels import cpu_kernels
     replays = config.kv_policy.replays_on_need
-    layers, heavy = config.need_layer_set, config.heavy_tokens
+    layers, heavy, threshold = config.need_layer_set, config.heavy_tokens, config.replay_threshold
     calibration = None
-    if replays and AUTO in (layers, heavy):
+    if replays and AUTO in (layers, heavy, threshold):
         kernel = cpu_kernels.prefill_attention() \
             if model.device.type == "cpu" and model.dtype == torch.bfloat16 else None
         calibration = calibrated_defaults(model, tokenizer, source, config.block_size, kernel)
@@ -236,4 +276,7 @@ def replay_knobs(config, model, tokenizer, source: str) -> tuple[frozenset[int] 
         layers = frozenset(calibration.need_layers) if calibration else None
     if heavy == AUTO:
         heavy = calibration.heavy_tokens if calibration else 0
-    return layers, heavy, calibration
+    if threshold == AUTO:
+        threshold = THRESHOLD_FALLBACK if calibration is None else \
+            calibration.threshold_for(range(model.config.num_layers) if layers is None else layers)
+    return layers, heavy, threshold, calibration
