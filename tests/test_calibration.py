@@ -12,9 +12,10 @@ from kvreplay.engine import calibration
 from kvreplay.engine.calibration import (THRESHOLD_FALLBACK, Calibration, calibrated_defaults, choose_threshold,
                                          format_layers, replay_knobs)
 
-# A 6-layer profile: layer 4 carries the fact (0.9 against plain text's 0.1), layer 1 reads
-# plain text loudly (0.2), layer 2 barely tells them apart (0.3 against 0.2).
-PLANTED = (0.05, 0.5, 0.3, 0.05, 0.9, 0.6)
+# A 6-layer profile (weakest planted fact, loudest plain text per layer): layer 4 carries the fact
+# (0.9 against plain text's 0.1), layer 1 reads plain text loudly (0.2), layer 2 cannot tell
+# them apart (0.2 against 0.2).
+PLANTED = (0.05, 0.5, 0.2, 0.05, 0.9, 0.6)
 ORDINARY = (0.05, 0.2, 0.2, 0.05, 0.1, 0.1)
 
 
@@ -24,18 +25,18 @@ def test_format_layers():
     assert format_layers([5]) == "5"
 
 
-def test_threshold_is_the_geometric_mean_of_fact_and_plain_text_over_the_layers_read():
+def test_threshold_is_the_geometric_mean_of_weakest_fact_and_loudest_plain_text_over_the_layers_read():
     assert choose_threshold(PLANTED, ORDINARY, [4]) == 0.3           # sqrt(0.9 x 0.1)
     assert choose_threshold(PLANTED, ORDINARY, [4, 5]) == 0.3        # the largest of each side
     assert choose_threshold(PLANTED, ORDINARY, range(6)) == 0.42     # sqrt(0.9 x 0.2): layer 1's plain text
-    assert choose_threshold(PLANTED, ORDINARY, [2]) == THRESHOLD_FALLBACK  # 0.3 vs 0.2: no margin
+    assert choose_threshold(PLANTED, ORDINARY, [2]) == THRESHOLD_FALLBACK  # 0.2 vs 0.2: no threshold
     assert choose_threshold((0.8,), (0.0,), [0]) == 0.03             # never 0 (always replay)
     with pytest.raises(ValueError, match="not all in a profile of 6 layers"):
         choose_threshold(PLANTED, ORDINARY, [4, 6])
 
 
 def test_calibration_threshold_follows_the_layers_read():
-    found = Calibration((4,), 32, "calibrated", PLANTED, ORDINARY, 0.3)
+    found = Calibration((4,), 32, "calibrated", planted_low=PLANTED, ordinary_high=ORDINARY, replay_threshold=0.3)
     assert found.threshold_for([4]) == 0.3 and found.threshold_for(range(6)) == 0.42
     assert "replay_threshold=0.3 (calibrated)" in found.describe()
     fallback = Calibration((0, 1), 32, "every layer: fewer than 8 layers")
@@ -80,8 +81,8 @@ def test_calibration_on_the_real_model_finds_retrieval_layers(llm32):
     chosen = list(result.need_layers)
     assert min(result.planted[i] - result.ordinary[i] for i in chosen) > 0.3
     assert result.heavy_tokens == 32  # the needle's block ranks first: the budget's floor
-    plain, fact = max(result.ordinary[i] for i in chosen), max(result.planted[i] for i in chosen)
-    assert 2 * plain < result.replay_threshold < fact / 2
+    plain, fact = max(result.ordinary_high[i] for i in chosen), max(result.planted_low[i] for i in chosen)
+    assert plain < result.replay_threshold < fact
 
 
 def test_cache_is_keyed_and_read_back(tmp_path, monkeypatch, llm32):
@@ -90,7 +91,7 @@ def test_cache_is_keyed_and_read_back(tmp_path, monkeypatch, llm32):
 
     def fake_pass(model, tokenizer, block_size, kernel=None):
         calls.append(block_size)
-        return Calibration((3, 9), 48, "calibrated", (0.0,) * 30, (0.0,) * 30, 0.4)
+        return Calibration((3, 9), 48, "calibrated", (0.0,) * 30, (0.0,) * 30, (0.0,) * 30, (0.0,) * 30, 0.4)
 
     monkeypatch.setattr(calibration, "calibrate", fake_pass)
     engine = llm32.engine
@@ -130,7 +131,7 @@ def test_auto_resolves_per_policy(llm32, tmp_path, monkeypatch):
     planted, ordinary = [0.0] * 30, [0.05] * 30
     planted[20], planted[21], ordinary[5] = 0.8, 0.45, 0.2
     monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: Calibration(
-        (20, 21), 64, "calibrated", tuple(planted), tuple(ordinary), 0.2))
+        (20, 21), 64, "calibrated", planted_low=tuple(planted), ordinary_high=tuple(ordinary), replay_threshold=0.2))
     engine = llm32.engine
     args = (engine.model, engine.tokenizer, engine.model_source)
     assert replay_knobs(EngineConfig(), *args) == (None, 0, THRESHOLD_FALLBACK, None)  # full: no pass
@@ -152,7 +153,8 @@ def test_the_engine_uses_the_calibrated_knobs(tmp_path, monkeypatch):
     from kvreplay.engine import summary
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibration, "calibrate",
-                        lambda *a, **k: Calibration((20, 23), 48, "calibrated", (0.5,) * 30, (0.1,) * 30, 0.22))
+                        lambda *a, **k: Calibration((20, 23), 48, "calibrated", planted_low=(0.5,) * 30,
+                                                    ordinary_high=(0.1,) * 30, replay_threshold=0.22))
     llm = LLM(dtype="float32", kv_cache_memory="16MiB", policy="replay")
     engine = llm.engine
     assert engine.runner.need_layers == frozenset({20, 23})
@@ -170,6 +172,6 @@ def test_plan_says_what_auto_resolves_to(tmp_path, monkeypatch, capsys, model_pa
     path = calibration.cache_path(calibration.model_digest(model_path), torch.bfloat16, 16)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"need_layers": [20, 21], "heavy_tokens": 48, "planted": [0.0], "ordinary": [0.0],
-                                "replay_threshold": 0.37}))
+                                "planted_low": [0.0], "ordinary_high": [0.0], "replay_threshold": 0.37}))
     assert main(["plan", "--context", "1024"]) == 0
     assert "need_layers=20-21, heavy_tokens=48, replay_threshold=0.37 (cached in" in capsys.readouterr().out

@@ -15,7 +15,8 @@ every layer at two points of the same prompt:
 
 The detector reads the `ceil(layers / 8)` layers with the largest mean planted share less mean
 ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). Its threshold
-lies between the two on the layers it reads (`choose_threshold`). The heavy-hitter
+lies between the weakest planted and the loudest ordinary share on the layers it reads
+(`choose_threshold`). The heavy-hitter
 budget is the smallest number of middle blocks that held the needle's block among the most
 observed ones (the prompt's last queries, as the engine scores them) in every case: at least 2,
 at most 8 blocks. Models with fewer than 8 layers, or without a file to key the result by, skip
@@ -52,7 +53,6 @@ WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
 MIN_LAYERS = 8
 HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
 THRESHOLD_FALLBACK = 0.65  # where no pass ran, or its layers do not tell a fact from plain text
-MIN_SEPARATION = 4.0   # planted / ordinary at least this: the threshold a factor 2 from each
 NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
          "the night train", "the glass garden")
 
@@ -64,7 +64,9 @@ class Calibration:
     source: str                 # "calibrated", "cached" or why no pass ran
     planted: tuple[float, ...] = ()   # per layer: mean share on the needle at the answer
     ordinary: tuple[float, ...] = ()  # per layer: mean largest other middle block share
-    replay_threshold: float = THRESHOLD_FALLBACK  # for need_layers, from planted and ordinary
+    planted_low: tuple[float, ...] = ()    # per layer: the smallest planted share of any case
+    ordinary_high: tuple[float, ...] = ()  # per layer: the largest ordinary share of any case
+    replay_threshold: float = THRESHOLD_FALLBACK  # for need_layers (choose_threshold)
 
     def describe(self) -> str:
         return (f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens}, "
@@ -73,29 +75,30 @@ class Calibration:
     def threshold_for(self, layers) -> float:
         """The threshold for the detector reading `layers` (the configured ones may not be the
         calibrated ones); the fallback when no pass ran."""
-        if not self.planted:
+        if not self.planted_low:
             return self.replay_threshold
-        return choose_threshold(self.planted, self.ordinary, layers)
+        return choose_threshold(self.planted_low, self.ordinary_high, layers)
 
 
-def choose_threshold(planted, ordinary, layers) -> float:
+def choose_threshold(planted_low, ordinary_high, layers) -> float:
     """The need detector's threshold when it reads `layers`, from a calibration profile (per
-    layer: the mean share of a planted fact where its answer is copied, the mean largest share
-    plain text gives one other middle block).
+    layer: the smallest share any case's planted fact took where its answer is copied, the
+    largest share plain text gave one other middle block in any case).
 
-    The detector takes the largest share over the layers it reads, so each side is its largest
-    over `layers`; the threshold is their geometric mean (shares compare as ratios: the detector
-    subtracts log-sum-exps), as many times above plain text's share as below the fact's: on
-    SmolLM2-135M 0.15 and 0.92 give 0.37. The pass sees a fact at 1,024 tokens with every block
-    present; at 4K with the fact's block dropped the detector saw 0.12-0.46 on it
-    (docs/benchmarks.md §3), so a midpoint (0.53) would miss it. When the fact's share is not
-    MIN_SEPARATION times plain text's, no threshold tells them apart: THRESHOLD_FALLBACK."""
+    The detector fires on the largest share over the layers it reads, so each side is its
+    largest over `layers`, and the threshold their geometric mean (shares compare as ratios: the
+    detector subtracts log-sum-exps). The extremes, not the means: the detector fires on one
+    step's largest share, and a threshold between the means (0.37 on SmolLM2-135M) fired on
+    nearly every RULER request at 4K for blocks other than the fact's (docs/benchmarks.md §3).
+    When the weakest fact takes no more than the loudest plain text, no threshold tells them
+    apart: THRESHOLD_FALLBACK."""
     layers = sorted(layers)
-    if not layers or max(layers) >= min(len(planted), len(ordinary)):
-        raise ValueError(f"layers {format_layers(layers)} are not all in a profile of {len(planted)} layers")
-    fact = max(planted[i] for i in layers)
-    plain = max(max(ordinary[i] for i in layers), 1e-3)  # a zero would make the threshold 0: replay always
-    if fact < MIN_SEPARATION * plain:
+    if not layers or max(layers) >= min(len(planted_low), len(ordinary_high)):
+        raise ValueError(f"layers {format_layers(layers)} are not all in a profile of "
+                         f"{min(len(planted_low), len(ordinary_high))} layers")
+    fact = max(planted_low[i] for i in layers)
+    plain = max(max(ordinary_high[i] for i in layers), 1e-3)  # never 0: that means replay always
+    if fact <= plain:
         return THRESHOLD_FALLBACK
     return round(math.sqrt(fact * plain), 2)
 
@@ -151,7 +154,8 @@ def read_cached(path: Path) -> Calibration | None:
     try:
         saved = json.loads(path.read_text())
         return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
-                           tuple(saved["planted"]), tuple(saved["ordinary"]), float(saved["replay_threshold"]))
+                           tuple(saved["planted"]), tuple(saved["ordinary"]), tuple(saved["planted_low"]),
+                           tuple(saved["ordinary_high"]), float(saved["replay_threshold"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -218,16 +222,17 @@ def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int
         candidates = [b for b in range(1, (question_end - WINDOW_TOKENS) // block_size)]
         order = sorted(candidates, key=lambda b: (-float(importance[b]), b))
         ranks.append(min(order.index(b) for b in needle_blocks if b in order))
-    planted_mean = torch.stack(planted).mean(0)
-    ordinary_mean = torch.stack(ordinary).mean(0)
+    planted, ordinary = torch.stack(planted), torch.stack(ordinary)  # [cases, L]
+    planted_mean, ordinary_mean = planted.mean(0), ordinary.mean(0)
     count = math.ceil(model.config.num_layers / MIN_LAYERS)
     chosen = torch.argsort(planted_mean - ordinary_mean, descending=True, stable=True)[:count]
     heavy_blocks = min(max(max(ranks) + 1, HEAVY_BLOCKS[0]), HEAVY_BLOCKS[1])
     layers = tuple(sorted(int(i) for i in chosen))
-    planted_mean = tuple(round(float(v), 4) for v in planted_mean)
-    ordinary_mean = tuple(round(float(v), 4) for v in ordinary_mean)
-    return Calibration(layers, heavy_blocks * block_size, "calibrated", planted_mean, ordinary_mean,
-                       choose_threshold(planted_mean, ordinary_mean, layers))
+    rounded = lambda values: tuple(round(float(v), 4) for v in values)  # noqa: E731
+    planted_low, ordinary_high = rounded(planted.amin(0)), rounded(ordinary.amax(0))
+    return Calibration(layers, heavy_blocks * block_size, "calibrated", rounded(planted_mean),
+                       rounded(ordinary_mean), planted_low, ordinary_high,
+                       choose_threshold(planted_low, ordinary_high, layers))
 
 
 @torch.inference_mode()
