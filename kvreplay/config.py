@@ -12,7 +12,7 @@ from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, W
 from kvreplay.kv.quant import KINDS as COLD_KINDS
 from kvreplay.kv.session_tier import TIER_CHOICES, check_tier_dir, parse_budget
 from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, check_number, ints, knob,
-                               knob_docs, numbers, one_of, parse_bytes)  # parse_bytes: re-exported
+                               knob_docs, one_of, parse_bytes)  # parse_bytes: re-exported
 
 
 AUTO = "auto"  # a knob the engine chooses for the model (kvreplay/engine/calibration.py)
@@ -67,6 +67,16 @@ def int_or_auto(text: str) -> int | str:
 def check_heavy_tokens(name: str, value, owner) -> None:
     if value != AUTO:
         check_int(name, value, 0)
+
+
+def number_or_auto(text: str) -> float | str:
+    """A flag's value: "auto" or a number."""
+    return text if text == AUTO else float(text)
+
+
+def check_replay_threshold(name: str, value, owner) -> None:
+    if value != AUTO:
+        check_number(name, value, 0, 1, what='"auto" or a share of attention')
 
 
 DEVICE_ENV = "KVREPLAY_DEVICE"
@@ -178,12 +188,15 @@ class EngineConfig:
                      "(only above the high watermark) or prefill (right after each prompt's "
                      "prefill: long pasted documents)",
         choices=TRIM_MODES, check=one_of(TRIM_MODES))
-    replay_threshold: float = knob(
-        0.65, "replay: when one dropped block would take more than this share of some head's "
+    replay_threshold: float | str = knob(
+        AUTO, "replay: when one dropped block would take more than this share of some head's "
               "attention, the need detector brings it back exactly: from the prefix cache if it "
               "is still there, else by replaying the dropped ranges in order up to it; then the "
-              "step is redone (0: always replay, every dropped range)",
-        check=numbers(0, 1, what="a share of attention"))
+              "step is redone (0: always replay, every dropped range); auto: chosen for the model "
+              "and the layers read by the calibration pass, between the smallest share a planted "
+              "fact took where it is copied and the largest share plain text gave one block (0.61 "
+              "on SmolLM2-135M; 0.65 where no pass runs)",
+        type=number_or_auto, check=check_replay_threshold)
     need_top_blocks: int = knob(
         8, "replay: dropped blocks per KV head the need detector scores from the key index (the "
            "Quest bound picks them)", check=ints(1))

@@ -32,7 +32,7 @@ def server():
     # SmolLM2-135M's calibrated replay knobs given outright: no calibration pass at startup
     yield from serving("--policy", "replay", "--trim", "prefill", "--window-tokens", "32",
                        "--max-num-batched-tokens", "32", "--need-layers", "18,20-21,23",
-                       "--heavy-tokens", "32", api_key=API_KEY)
+                       "--heavy-tokens", "32", "--replay-threshold", "0.61", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,8 @@ def test_heavy_tokens_keep_the_fact_hot_so_replay_answers_without_replaying(corp
     results = {}
     for heavy in (0, 32):
         llm = LLM(dtype="float32", kv_cache_memory="64MiB", policy="replay", trim="prefill",
-                  window_tokens=128, need_layers="20-23", heavy_tokens=heavy, enable_prefix_caching=False)
+                  window_tokens=128, need_layers="20-23", heavy_tokens=heavy, replay_threshold=0.65,
+                  enable_prefix_caching=False)
         case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.5,)))[0]
         out = llm.generate(case.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0),
                            on_step=_check(llm)).outputs[0]

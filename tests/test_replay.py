@@ -345,7 +345,7 @@ def test_need_detector_fires_on_a_planted_fact_and_stays_quiet_on_plain_text(cor
     heavy hitters) must replay and the answer must be right. Plain text continued for 16 tokens: no replay at all."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23", heavy_tokens=0,
+              window_tokens=128, need_layers="20-23", heavy_tokens=0, replay_threshold=0.65,
               enable_prefix_caching=False)
     assert llm.engine.kv.key_index.layers == [20, 21, 22, 23]  # the index keeps what the detector reads
     cases = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3, 0.7), seed=0))
@@ -366,7 +366,7 @@ def test_need_replay_brings_back_only_up_to_the_needed_block(corpus):
     attend without them). A fact at 30% of the prompt: about a third of the middle comes back."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23", heavy_tokens=0,
+              window_tokens=128, need_layers="20-23", heavy_tokens=0, replay_threshold=0.65,
               enable_prefix_caching=False)
     case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.3,), seed=0))[0]
     engine = llm.engine
@@ -393,7 +393,7 @@ def test_need_replay_is_free_when_the_needed_block_is_still_cached(corpus):
     before it), and recomputes nothing."""
     from kvreplay.bench.quality import QualitySpec, retrieval_cases
     llm = LLM(dtype="float32", kv_cache_memory="96MiB", policy="replay", trim="prefill",
-              window_tokens=128, need_layers="20-23", heavy_tokens=0)
+              window_tokens=128, need_layers="20-23", heavy_tokens=0, replay_threshold=0.65)
     case = retrieval_cases(llm.tokenizer, corpus, QualitySpec(lengths=(1024,), depths=(0.7,), seed=0))[0]
     engine = llm.engine
     dropped = []

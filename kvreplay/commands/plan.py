@@ -114,14 +114,15 @@ def run_plan(args) -> int:
 
 
 def replay_knobs_line(source: str, block_size: int) -> str:
-    """What `need_layers="auto"` and `heavy_tokens="auto"` resolve to for this model (bf16)."""
+    """What `need_layers`, `heavy_tokens` and `replay_threshold` = "auto" resolve to for this
+    model (bf16)."""
     from kvreplay.engine.calibration import lookup
     found = lookup(source, block_size=block_size)
     if found is None:
-        return ("replay knobs (need_layers, heavy_tokens = auto): not calibrated yet for this model "
-                "and block size; the first replay engine to load it runs the pass (six 1,024-token "
-                "prefills) and caches the result")
-    return f"replay knobs (need_layers, heavy_tokens = auto): {found.describe()}"
+        return ("replay knobs (need_layers, heavy_tokens, replay_threshold = auto): not calibrated yet "
+                "for this model and block size; the first replay engine to load it runs the pass "
+                "(six 1,024-token prefills) and caches the result")
+    return f"replay knobs (need_layers, heavy_tokens, replay_threshold = auto): {found.describe()}"
 
 
 def asdict_dims(dims: planner.KVDims) -> dict:

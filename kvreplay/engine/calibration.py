@@ -14,11 +14,13 @@ every layer at two points of the same prompt:
   nothing).
 
 The detector reads the `ceil(layers / 8)` layers with the largest mean planted share less mean
-ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). The heavy-hitter
+ordinary share (retrieval heads sit in a few layers: 20-23 of SmolLM2-135M's 30). Its threshold
+lies between the weakest planted and the loudest ordinary share on the layers it reads
+(`choose_threshold`). The heavy-hitter
 budget is the smallest number of middle blocks that held the needle's block among the most
 observed ones (the prompt's last queries, as the engine scores them) in every case: at least 2,
 at most 8 blocks. Models with fewer than 8 layers, or without a file to key the result by, skip
-the pass and read every layer with 2 heavy blocks.
+the pass and read every layer with 2 heavy blocks and a threshold of 0.65.
 
 The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
 the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
@@ -43,13 +45,14 @@ from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2            # 2: the threshold is part of the result
 CASES = 6
 CASE_TOKENS = 1024
 OBSERVED = 4           # queries observed at each point
 WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
 MIN_LAYERS = 8
 HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
+THRESHOLD_FALLBACK = 0.65  # where no pass ran, or its layers do not tell a fact from plain text
 NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
          "the night train", "the glass garden")
 
@@ -61,9 +64,43 @@ class Calibration:
     source: str                 # "calibrated", "cached" or why no pass ran
     planted: tuple[float, ...] = ()   # per layer: mean share on the needle at the answer
     ordinary: tuple[float, ...] = ()  # per layer: mean largest other middle block share
+    planted_low: tuple[float, ...] = ()    # per layer: the smallest planted share of any case
+    ordinary_high: tuple[float, ...] = ()  # per layer: the largest ordinary share of any case
+    replay_threshold: float = THRESHOLD_FALLBACK  # for need_layers (choose_threshold)
 
     def describe(self) -> str:
-        return f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens} ({self.source})"
+        return (f"need_layers={format_layers(self.need_layers)}, heavy_tokens={self.heavy_tokens}, "
+                f"replay_threshold={self.replay_threshold:g} ({self.source})")
+
+    def threshold_for(self, layers) -> float:
+        """The threshold for the detector reading `layers` (the configured ones may not be the
+        calibrated ones); the fallback when no pass ran."""
+        if not self.planted_low:
+            return self.replay_threshold
+        return choose_threshold(self.planted_low, self.ordinary_high, layers)
+
+
+def choose_threshold(planted_low, ordinary_high, layers) -> float:
+    """The need detector's threshold when it reads `layers`, from a calibration profile (per
+    layer: the smallest share any case's planted fact took where its answer is copied, the
+    largest share plain text gave one other middle block in any case).
+
+    The detector fires on the largest share over the layers it reads, so each side is its
+    largest over `layers`, and the threshold their geometric mean (shares compare as ratios: the
+    detector subtracts log-sum-exps). The extremes, not the means: the detector fires on one
+    step's largest share, and a threshold between the means (0.37 on SmolLM2-135M) fired on
+    nearly every RULER request at 4K for blocks other than the fact's (docs/benchmarks.md §3).
+    When the weakest fact takes no more than the loudest plain text, no threshold tells them
+    apart: THRESHOLD_FALLBACK."""
+    layers = sorted(layers)
+    if not layers or max(layers) >= min(len(planted_low), len(ordinary_high)):
+        raise ValueError(f"layers {format_layers(layers)} are not all in a profile of "
+                         f"{min(len(planted_low), len(ordinary_high))} layers")
+    fact = max(planted_low[i] for i in layers)
+    plain = max(max(ordinary_high[i] for i in layers), 1e-3)  # never 0: that means replay always
+    if fact <= plain:
+        return THRESHOLD_FALLBACK
+    return round(math.sqrt(fact * plain), 2)
 
 
 def format_layers(layers) -> str:
@@ -117,7 +154,8 @@ def read_cached(path: Path) -> Calibration | None:
     try:
         saved = json.loads(path.read_text())
         return Calibration(tuple(saved["need_layers"]), int(saved["heavy_tokens"]), f"cached in {path}",
-                           tuple(saved["planted"]), tuple(saved["ordinary"]))
+                           tuple(saved["planted"]), tuple(saved["ordinary"]), tuple(saved["planted_low"]),
+                           tuple(saved["ordinary_high"]), float(saved["replay_threshold"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -153,7 +191,8 @@ def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_
 
 def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int = CASES,
               seed: int = 0) -> Calibration:
-    """Run the planted-fact cases and choose the detector's layers and the heavy budget."""
+    """Run the planted-fact cases and choose the detector's layers, its threshold and the heavy
+    budget."""
     from pydoc_data.topics import topics
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     corpus = encode("\n\n".join(topics[key] for key in sorted(topics))[:200_000])
@@ -183,14 +222,17 @@ def calibrate(model, tokenizer, block_size: int, prefill_kernel=None, cases: int
         candidates = [b for b in range(1, (question_end - WINDOW_TOKENS) // block_size)]
         order = sorted(candidates, key=lambda b: (-float(importance[b]), b))
         ranks.append(min(order.index(b) for b in needle_blocks if b in order))
-    planted_mean = torch.stack(planted).mean(0)
-    ordinary_mean = torch.stack(ordinary).mean(0)
+    planted, ordinary = torch.stack(planted), torch.stack(ordinary)  # [cases, L]
+    planted_mean, ordinary_mean = planted.mean(0), ordinary.mean(0)
     count = math.ceil(model.config.num_layers / MIN_LAYERS)
     chosen = torch.argsort(planted_mean - ordinary_mean, descending=True, stable=True)[:count]
     heavy_blocks = min(max(max(ranks) + 1, HEAVY_BLOCKS[0]), HEAVY_BLOCKS[1])
-    return Calibration(tuple(sorted(int(i) for i in chosen)), heavy_blocks * block_size, "calibrated",
-                       tuple(round(float(v), 4) for v in planted_mean),
-                       tuple(round(float(v), 4) for v in ordinary_mean))
+    layers = tuple(sorted(int(i) for i in chosen))
+    rounded = lambda values: tuple(round(float(v), 4) for v in values)  # noqa: E731
+    planted_low, ordinary_high = rounded(planted.amin(0)), rounded(ordinary.amax(0))
+    return Calibration(layers, heavy_blocks * block_size, "calibrated", rounded(planted_mean),
+                       rounded(ordinary_mean), planted_low, ordinary_high,
+                       choose_threshold(planted_low, ordinary_high, layers))
 
 
 @torch.inference_mode()
@@ -218,16 +260,19 @@ def _observe(model, tokens: list[int], block_size: int, ends: tuple[int, ...],
     return observed
 
 
-def replay_knobs(config, model, tokenizer, source: str) -> tuple[frozenset[int] | None, int, Calibration | None]:
-    """The need detector's layers (None: all) and the heavy-hitter budget in tokens for this
-    engine: the configured values, with "auto" resolved by the model's calibration for the
-    policies that replay on need (need_layers: otherwise unused; heavy_tokens: otherwise 0)."""
+def replay_knobs(config, model, tokenizer, source: str
+                 ) -> tuple[frozenset[int] | None, int, float, Calibration | None]:
+    """The need detector's layers (None: all) and threshold, and the heavy-hitter budget in
+    tokens for this engine: the configured values, with "auto" resolved by the model's
+    calibration for the policies that replay on need (need_layers, replay_threshold: otherwise
+    unused; heavy_tokens: otherwise 0). An auto threshold follows the layers read, calibrated or
+    configured."""
     from kvreplay.config import AUTO
     from kvreplay.kernels import cpu_kernels
     replays = config.kv_policy.replays_on_need
-    layers, heavy = config.need_layer_set, config.heavy_tokens
+    layers, heavy, threshold = config.need_layer_set, config.heavy_tokens, config.replay_threshold
     calibration = None
-    if replays and AUTO in (layers, heavy):
+    if replays and AUTO in (layers, heavy, threshold):
         kernel = cpu_kernels.prefill_attention() \
             if model.device.type == "cpu" and model.dtype == torch.bfloat16 else None
         calibration = calibrated_defaults(model, tokenizer, source, config.block_size, kernel)
@@ -236,4 +281,7 @@ def replay_knobs(config, model, tokenizer, source: str) -> tuple[frozenset[int] 
         layers = frozenset(calibration.need_layers) if calibration else None
     if heavy == AUTO:
         heavy = calibration.heavy_tokens if calibration else 0
-    return layers, heavy, calibration
+    if threshold == AUTO:
+        threshold = THRESHOLD_FALLBACK if calibration is None else \
+            calibration.threshold_for(range(model.config.num_layers) if layers is None else layers)
+    return layers, heavy, threshold, calibration

@@ -47,11 +47,12 @@ class LLMEngine:
                 f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
                 f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
         cfg = self.model_config
-        need_layers, heavy_tokens, self.calibration = replay_knobs(config, self.model, self.tokenizer,
-                                                                   self.model_source)
-        if need_layers and max(need_layers) >= cfg.num_layers:
+        named = config.need_layer_set  # a set, None (all) or "auto"
+        if isinstance(named, frozenset) and max(named) >= cfg.num_layers:
             raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
                              f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
+        need_layers, heavy_tokens, replay_threshold, self.calibration = replay_knobs(
+            config, self.model, self.tokenizer, self.model_source)
         self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
                             cfg.head_dim, config.torch_dtype, config.device,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -66,7 +67,7 @@ class LLMEngine:
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
                                    layered_work=partial(layered_work_bytes, cfg, config.block_size, config.torch_dtype,
                                                         self.kv_bytes_per_token) if config.layered_prefill else None,
-                                   replay_threshold=config.replay_threshold)
+                                   replay_threshold=replay_threshold)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=need_layers,
                                   need_top_blocks=config.need_top_blocks,

@@ -63,7 +63,7 @@ def policy_knobs(engine) -> list[str]:
         knobs.append(f"trim {config.trim}, order {config.trim_order}")
     if policy.replays_on_need:
         layers = engine.runner.need_layers
-        knobs.append(f"replay_threshold {config.replay_threshold:g}, need_layers "
+        knobs.append(f"replay_threshold {engine.scheduler.replay.threshold:g}, need_layers "
                      f"{'all' if layers is None else format_layers(layers)}, heavy_tokens "
                      f"{engine.scheduler.reclaim.heavy_blocks * config.block_size}")
         if engine.calibration is not None:
