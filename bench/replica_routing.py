@@ -4,8 +4,8 @@ routing mode, each mode in a fresh server (docs/benchmarks.md §4, "Replicas").
 Each of `--chats` chats opens with its own `--system-chars` system message (real text: pydoc
 slices) and runs `--rounds` rounds; each round resends the whole history plus a new question
 (`--output-tokens` greedy tokens back). Every chat runs on its own client thread (a closed loop),
-so all chats are in flight at once. Hit rate: usage.kv.prefix_hit_tokens / prompt_tokens over
-all requests. Modes (same total CPUs and KV memory):
+so all chats are in flight at once; replies stream, and TTFT is the time from sending a round to
+its first content token. Hit rate: usage.kv.prefix_hit_tokens / prompt_tokens over all requests. Modes (same total CPUs and KV memory):
 
     prefix       --replicas 2 --replica-threads 1, prefix-affinity routing
     round-robin  --replicas 2 --replica-threads 1 --replica-routing round-robin
@@ -52,17 +52,30 @@ def _serve(mode: str, args, port: int):
 
 
 def _chat(url: str, system: str, chat: int, rounds: int, output_tokens: int, results: list) -> None:
+    """One chat, streamed: (prompt tokens, prefix-hit tokens, replica, seconds to first token) per round."""
     messages = [{"role": "system", "content": system}]
     with httpx.Client(timeout=600) as client:
         for turn in range(rounds):
             messages.append({"role": "user", "content": f"Chat {chat}, question {turn}: what follows?"})
-            response = client.post(url, json={"model": "kvreplay-default", "messages": messages,
-                                              "max_tokens": output_tokens, "temperature": 0})
-            response.raise_for_status()
-            body = response.json()
-            results.append((body["usage"]["kv"]["prompt_tokens"], body["usage"]["kv"]["prefix_hit_tokens"],
-                            response.headers.get("x-kvreplay-replica")))
-            messages.append(body["choices"][0]["message"])
+            sent, first, text, usage = time.perf_counter(), None, [], None
+            with client.stream("POST", url, json={"model": "kvreplay-default", "messages": messages,
+                                                  "max_tokens": output_tokens, "temperature": 0, "stream": True,
+                                                  "stream_options": {"include_usage": True}}) as response:
+                response.raise_for_status()
+                replica = response.headers.get("x-kvreplay-replica")
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices", []):
+                        if choice["delta"].get("content"):
+                            first = first or time.perf_counter()
+                            text.append(choice["delta"]["content"])
+            results.append((usage["kv"]["prompt_tokens"], usage["kv"]["prefix_hit_tokens"], replica,
+                            (first or time.perf_counter()) - sent))
+            messages.append({"role": "assistant", "content": "".join(text)})
 
 
 def run_mode(mode: str, args, texts: list[str]) -> dict:
@@ -85,7 +98,9 @@ def run_mode(mode: str, args, texts: list[str]) -> dict:
     prompt, hits = sum(r[0] for r in results), sum(r[1] for r in results)
     return {"mode": mode, "command": command, "requests": len(results), "wall_s": round(wall, 1),
             "requests_per_s": round(len(results) / wall, 3), "prompt_tokens": prompt, "hit_tokens": hits,
-            "hit_rate": round(hits / prompt, 3), "replicas_used": len({r[2] for r in results})}
+            "hit_rate": round(hits / prompt, 3), "replicas_used": len({r[2] for r in results}),
+            "mean_ttft_s": round(sum(r[3] for r in results) / len(results), 3),
+            "p50_ttft_s": round(sorted(r[3] for r in results)[len(results) // 2], 3)}
 
 
 def main() -> None:

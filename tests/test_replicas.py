@@ -1,7 +1,7 @@
 """`kvreplay serve --replicas 2` on a real local Ray cluster (loopback, tiny model): multi-turn
 chats resent turn after turn land on the replica that holds their prefix, streamed output equals
 the unstreamed, and a replica killed mid-stream ends its stream with an error event (never a hang)
-while new requests go to the survivor. One server for the module (Ray's start is ~20 s)."""
+while new requests go to the survivor, until Ray brings a replica back; the pools stay whole. One server for the module (Ray's start is ~20 s)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ REPLICA = "x-kvreplay-replica"
 @pytest.fixture(scope="module")
 def server(tiny_model):
     for proc in serving("--model", tiny_model, "--replicas", "2", "--kv-cache-memory", "8MiB",
-                        "--served-model-name", "tiny"):
+                        "--served-model-name", "tiny", "--debug-endpoints"):
         deadline = time.monotonic() + 120
         while "with 2 replicas" not in proc.log():  # printed once both replicas run
             assert time.monotonic() < deadline, proc.log()
@@ -100,3 +100,17 @@ def test_a_killed_replica_ends_its_streams_and_the_survivor_serves(server):
         assert response.status_code == 200, response.text
         served.append(response.headers[REPLICA])
     assert victim not in served
+    # Ray brings a replica back: new conversations (each 64+ characters, so the router hashes it
+    # and spreads it by the new prefixes each replica took) reach a replica that is neither.
+    deadline, survivors, i = time.monotonic() + 180, set(served), 0
+    while True:
+        response = server.post("/v1/completions", json={"model": "tiny", "max_tokens": 2,
+                                                         "prompt": f"A new conversation, number {i}, " * 3})
+        i += 1
+        if response.status_code == 200 and response.headers[REPLICA] not in survivors | {victim}:
+            break
+        assert time.monotonic() < deadline, f"no replica replaced {victim} after 180 s"
+        time.sleep(0.5)
+    for _ in range(6):  # every pool that answers (the survivor's or the new one's) is whole
+        state = server.get("/debug/kv").json()
+        assert state["integrity"] == "ok", state
