@@ -474,3 +474,48 @@ def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_th
               shared=8, stop=["a", "."], temperature=0.0)
     state.step(count=12)
     state.teardown()  # drains every request within its bound, checking each step
+
+
+def test_a_lone_sequence_whose_replay_finds_no_room_is_recomputed_whole(tiny_model):
+    """Found by the state machine: under replay at r=0.25 with forced needs, a lone sequence whose
+    own hot blocks and key index filled the pool was asked to replay a run it had no room for;
+    nothing could be trimmed or paused for it, so the step scheduled nothing. It now pauses
+    itself and resumes by recomputing, as `full` does when a lone sequence outgrows the pool."""
+    EngineMachine.model = tiny_model
+    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
+        EngineMachine.references = References(tiny_model)
+    state = EngineMachine()
+    state.build(policy="replay", memory="128KiB", block_size=16, ratio=0.25, threshold=0.2, trim="admission",
+                caching=True, layered=False, batched=32, max_seqs=2)
+    state.force_need()
+    state.add(beam=1, ignore_eos=True, keep=False, length=100, max_tokens=21, n=1, protected=0, seeded=False, shared=64, stop="e", temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=False, length=161, max_tokens=26, n=1, protected=0, seeded=False, shared=0, stop=["a", "."], temperature=0.0)
+    state.step(count=8)
+    state.force_need()
+    state.step(count=1)
+    state.add(beam=1, ignore_eos=False, keep=False, length=277, max_tokens=21, n=2, protected=5, seeded=False, shared=24, stop=None, temperature=0.0)
+    state.force_need()
+    state.step(count=3)
+    state.force_need()
+    state.add(beam=1, ignore_eos=True, keep=True, length=50, max_tokens=37, n=3, protected=20, seeded=True, shared=24, stop="e", temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=False, length=109, max_tokens=15, n=1, protected=5, seeded=True, shared=0, stop="the", temperature=0.0)
+    state.force_need()
+    state.add(beam=1, ignore_eos=False, keep=False, length=27, max_tokens=29, n=1, protected=0, seeded=False, shared=64, stop=["a", "."], temperature=0.0)
+    state.step(count=4)
+    state.step(count=3)
+    state.add(beam=1, ignore_eos=True, keep=True, length=197, max_tokens=21, n=2, protected=0, seeded=True, shared=0, stop=["a", "."], temperature=0.0)
+    state.force_need()
+    state.force_need()
+    state.step(count=9)
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.force_need()
+    state.step(count=8)
+    state.force_need()
+    state.force_need()
+    state.teardown()  # drains every request within its bound, checking each step

@@ -275,6 +275,8 @@ class Scheduler:
             else:
                 blocks = blocks[:self.kv.restore_room(seq.seq_id, blocks)]
         if not blocks:
+            if self.running == [seq]:  # its own blocks and index fill the pool: recompute it whole
+                self._pause(seq, batch)
             return 0
         self.replay.start(seq, self.num_steps)
         batch.replays.append(ReplayChunk(seq, blocks[0] * block_size, len(blocks) * block_size, blocks))
