@@ -353,6 +353,14 @@ def test_engine_state_machine_long(tiny_model):
 
 
 # ---------------------------------------------------------------------------- reproducers found
+def _built_machine(model: str, **build) -> EngineMachine:
+    """A machine built as a failing run was, to replay its rules by hand."""
+    EngineMachine.model = model
+    if EngineMachine.references is None or EngineMachine.references.model != model:
+        EngineMachine.references = References(model)
+    state = EngineMachine()
+    state.build(**build)
+    return state
 def test_beam_search_outgrowing_the_high_watermark_finishes(tiny_model):
     """Found by the state machine (long run, seed 0): 32 blocks of 8 tokens, a 1-token request
     and two beams over a 227-token prompt (each fits the pool; together they pass `high`)."""
@@ -402,12 +410,8 @@ def test_a_continued_session_whose_dropped_blocks_all_come_back_from_the_cache_p
     """Found by the state machine (long run): a kept session continued under replay, every
     dropped block of it still in the prefix cache; admission restored them, the replay had
     nothing left, and the step scheduled nothing ("running work but nothing scheduled")."""
-    EngineMachine.model = tiny_model
-    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
-        EngineMachine.references = References(tiny_model)
-    state = EngineMachine()
-    state.build(policy="replay", threshold=0.2, block_size=16, layered=True, memory="256KiB", ratio=0.25,
-                caching=True, batched=32, trim="admission", max_seqs=2)
+    state = _built_machine(tiny_model, policy="replay", threshold=0.2, block_size=16, layered=True,
+                           memory="256KiB", ratio=0.25, caching=True, batched=32, trim="admission", max_seqs=2)
     state.add(beam=1, ignore_eos=True, keep=True, length=289, max_tokens=13, n=1, protected=0, seeded=True,
               shared=0, stop=None, temperature=0.0)
     state.abort(after=0, pick=0)
@@ -428,12 +432,9 @@ def test_admission_does_not_trim_a_sequence_that_just_replayed_for_a_request_it_
     the very blocks the sibling's prefix hits would adopt back, so it was never admitted. Each
     step the decoding branch took its judged block back from the prefix cache, lost it to the
     next admission trim and had the detector fire again: no token for thousands of steps."""
-    EngineMachine.model = tiny_model
-    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
-        EngineMachine.references = References(tiny_model)
-    state = EngineMachine()
-    state.build(policy="replay", memory="128KiB", block_size=16, ratio=0.5, threshold=0.2, trim="admission",
-                caching=True, layered=False, batched=32, max_seqs=2)
+    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.5,
+                           threshold=0.2, trim="admission", caching=True, layered=False, batched=32,
+                           max_seqs=2)
     state.add(beam=1, ignore_eos=False, keep=True, length=82, max_tokens=4, n=3, protected=0, seeded=True,
               shared=0, stop="the", temperature=0.8)
     state.add(beam=1, ignore_eos=True, keep=True, length=147, max_tokens=32, n=3, protected=0, seeded=True,
@@ -453,12 +454,8 @@ def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_th
     before it, which put the pool over the high watermark; the next step's pressure trim took
     the judged block again before the redone decode read it, the detector asked for it again,
     and so on: no token for thousands of steps. A block is now asked for once per token."""
-    EngineMachine.model = tiny_model
-    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
-        EngineMachine.references = References(tiny_model)
-    state = EngineMachine()
-    state.build(policy="replay", memory="128KiB", block_size=16, ratio=0.25, threshold=0.2, trim="admission",
-                caching=True, layered=True, batched=32, max_seqs=2)
+    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
+                           threshold=0.2, trim="admission", caching=True, layered=True, batched=32, max_seqs=2)
     state.add(beam=1, ignore_eos=False, keep=False, length=268, max_tokens=30, n=1, protected=20, seeded=True,
               shared=64, stop="the", temperature=0.0)
     state.step(count=13)
@@ -481,29 +478,33 @@ def test_a_lone_sequence_whose_replay_finds_no_room_is_recomputed_whole(tiny_mod
     own hot blocks and key index filled the pool was asked to replay a run it had no room for;
     nothing could be trimmed or paused for it, so the step scheduled nothing. It now pauses
     itself and resumes by recomputing, as `full` does when a lone sequence outgrows the pool."""
-    EngineMachine.model = tiny_model
-    if EngineMachine.references is None or EngineMachine.references.model != tiny_model:
-        EngineMachine.references = References(tiny_model)
-    state = EngineMachine()
-    state.build(policy="replay", memory="128KiB", block_size=16, ratio=0.25, threshold=0.2, trim="admission",
-                caching=True, layered=False, batched=32, max_seqs=2)
+    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
+                           threshold=0.2, trim="admission", caching=True, layered=False, batched=32,
+                           max_seqs=2)
     state.force_need()
-    state.add(beam=1, ignore_eos=True, keep=False, length=100, max_tokens=21, n=1, protected=0, seeded=False, shared=64, stop="e", temperature=0.0)
-    state.add(beam=1, ignore_eos=True, keep=False, length=161, max_tokens=26, n=1, protected=0, seeded=False, shared=0, stop=["a", "."], temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=False, length=100, max_tokens=21, n=1, protected=0, seeded=False,
+              shared=64, stop="e", temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=False, length=161, max_tokens=26, n=1, protected=0, seeded=False,
+              shared=0, stop=["a", "."], temperature=0.0)
     state.step(count=8)
     state.force_need()
     state.step(count=1)
-    state.add(beam=1, ignore_eos=False, keep=False, length=277, max_tokens=21, n=2, protected=5, seeded=False, shared=24, stop=None, temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=False, length=277, max_tokens=21, n=2, protected=5, seeded=False,
+              shared=24, stop=None, temperature=0.0)
     state.force_need()
     state.step(count=3)
     state.force_need()
-    state.add(beam=1, ignore_eos=True, keep=True, length=50, max_tokens=37, n=3, protected=20, seeded=True, shared=24, stop="e", temperature=0.0)
-    state.add(beam=1, ignore_eos=False, keep=False, length=109, max_tokens=15, n=1, protected=5, seeded=True, shared=0, stop="the", temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=True, length=50, max_tokens=37, n=3, protected=20, seeded=True,
+              shared=24, stop="e", temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=False, length=109, max_tokens=15, n=1, protected=5, seeded=True,
+              shared=0, stop="the", temperature=0.0)
     state.force_need()
-    state.add(beam=1, ignore_eos=False, keep=False, length=27, max_tokens=29, n=1, protected=0, seeded=False, shared=64, stop=["a", "."], temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=False, length=27, max_tokens=29, n=1, protected=0, seeded=False,
+              shared=64, stop=["a", "."], temperature=0.0)
     state.step(count=4)
     state.step(count=3)
-    state.add(beam=1, ignore_eos=True, keep=True, length=197, max_tokens=21, n=2, protected=0, seeded=True, shared=0, stop=["a", "."], temperature=0.0)
+    state.add(beam=1, ignore_eos=True, keep=True, length=197, max_tokens=21, n=2, protected=0, seeded=True,
+              shared=0, stop=["a", "."], temperature=0.0)
     state.force_need()
     state.force_need()
     state.step(count=9)
