@@ -96,8 +96,8 @@ def check_device(device) -> None:
 
 
 def _check_endpoint(name: str, value) -> str | None:
-    if value is not None and not (isinstance(value, str) and value.split("://")[0] in ("tcp", "ipc", "inproc")
-                                  and "://" in value and value.split("://", 1)[1]):
+    scheme, sep, where = value.partition("://") if isinstance(value, str) else ("", "", "")
+    if value is not None and not (scheme in ("tcp", "ipc", "inproc") and sep and where):
         raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557 or ipc:///tmp/kv, got {value!r}")
     return value
 

@@ -49,7 +49,6 @@ MEMORIES = ("128KiB", "256KiB", "256KiB", "512KiB", "1MiB", "4MiB")
 MAX_CONTEXT = 2047
 SHARED = torch.randint(100, 40000, (256,), generator=torch.Generator().manual_seed(1234)).tolist()
 STOPS = (None, "e", ["a", "."], "the")
-RETRIM_AFTER_STEPS = 32  # engine/reclaim.py: a sequence that replayed lately is not capped yet
 
 
 class References:
@@ -277,8 +276,7 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.beam is not None:
                 continue
-            replayed_lately = seq.replay.last_step >= 0 and \
-                scheduler.num_steps - seq.replay.last_step <= RETRIM_AFTER_STEPS
+            replayed_lately = reclaim.replayed_lately(seq, scheduler.num_steps)
             # (a capping preset leaves a sequence that replayed lately uncut, sliding or not:
             # its heavy hitters stay hot until then)
             every_step = (not replayed_lately and not scheduler.replay.wants_replay(seq)) \

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-TIERS = ("hot", "cold", "dropped")  # best first
-
 
 @dataclass(frozen=True)
 class HeldBlock:

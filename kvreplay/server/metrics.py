@@ -113,7 +113,6 @@ class _EngineCollector:
         for name, (source, doc) in _TIER_COUNTERS.items():
             yield CounterMetricFamily(f"kvreplay_{name}", doc, value=snap.tier.get(source, 0))
 
-
     def _vllm_names(self, snap: EngineSnapshot):
         """The gauges and counters routers read, under vLLM's names and labels, from the same
         snapshot as the kvreplay_ series they mirror: requests running and waiting, the used
