@@ -71,6 +71,26 @@ def test_snapkv_keeps_its_first_rounds_choice_and_replay_brings_its_middle_back(
     assert two.stats.replays == 1 and two.stats.replayed_tokens == one.stats.dropped_tokens
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "replay"])
+def test_a_context_sent_ahead_of_its_question_parks_cut_to_the_ratio(tiny_model, policy):
+    """A request that ends as its prefill ends (max_tokens=1: a context sent before its
+    question) parks within its policy's ratio, so the cut is chosen without the question; the
+    question's round then prefills over the cut KV (replay brings the middle back first)."""
+    llm = _llm(tiny_model, policy, resident_ratio=0.25)
+    context, question = seeded_tokens(640, 5), seeded_tokens(24, 6)
+    one = llm.generate(context, SamplingParams(max_tokens=1, temperature=0), keep=True, on_step=_check)
+    engine = llm.engine
+    seq = engine.sessions.sequences()[0]
+    assert seq.num_computed_tokens == len(context)
+    full_blocks = -(-len(context) // engine.kv.block_size)
+    assert engine.kv.resident_bytes(seq.seq_id) <= 0.25 * full_blocks * engine.kv.block_bytes + 1e-6
+    assert one.stats.dropped_tokens > 0
+    two = llm.generate(context + question, PARAMS, continues=[one.request_id], on_step=_check)
+    assert len(two.token_ids) == 8 and two.stats.prefix_hit_tokens == len(context)
+    assert (two.stats.replays == 1) == (policy == "replay")
+    assert not engine.sessions and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_kept_sessions_give_way_to_waiting_work(tiny_model):
     """Kept sessions are released oldest first when the pool goes above the high watermark,
     and when a new request could not run otherwise."""

@@ -211,3 +211,27 @@ def test_runs_above_their_ratio_are_named():
     run = {"ratio": 0.1, "lengths": {"4096": {"resident_mean": 0.13}, "7680": {"resident_mean": 1.0}}}
     assert over_ratio(run) == ["7680"]                  # a preset that ignored resident_ratio
     assert over_ratio({"ratio": None, "lengths": {"4096": {"resident_mean": 1.0}}}) == []
+
+
+def test_context_first_cuts_before_the_question_and_full_writes_the_same_answers(kit, tiny_model):
+    """--context-first: the question starts where the case says; each case runs as a kept
+    context then the whole prompt. Under full the answers are the one-request answers (the kept
+    KV is exact); SnapKV cut the context before the question (its blocks are gone when the
+    question comes: no drop in the second request)."""
+    from kvreplay.bench.ruler import ruler_suite
+    for task in TASKS:
+        case = make_case(kit, task, 1024, 0, seed=0)
+        assert 0 < case.question_start < len(case.prompt_token_ids)
+        assert case.query in kit.decode(case.prompt_token_ids[case.question_start:]) or not case.query
+        assert all(n.end <= case.question_start for n in case.needles), task
+    config = EngineConfig(model=tiny_model, dtype="float32")
+    results = {}
+    for first in (False, True):
+        spec = RulerSpec(tasks=("niah_single_2",), lengths=(768,), cases=3, ratios=(0.25,),
+                         concurrent=2, context_first=first)
+        results[first] = {run["label"]: run["tasks"]["niah_single_2"]["768"]["cases"] for run in
+                          ruler_suite(config, spec, ["full", "snapkv"], progress=False)["runs"]}
+    assert [r["output"] for r in results[True]["full"]] == [r["output"] for r in results[False]["full"]]
+    for row in results[True]["snapkv@0.25"]:
+        assert row["stats"]["prefix_hit_tokens"] > 0 and row["stats"]["dropped_tokens"] <= 16
+        assert row["resident_first"] <= 0.3

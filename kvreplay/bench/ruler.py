@@ -54,6 +54,7 @@ class RulerSpec:
     ratios: tuple[float, ...] = (0.1, 0.25, 0.5)
     seed: int = 0
     concurrent: int = 8
+    context_first: bool = False  # single-turn tasks: the context is prefilled (and cut) before the question
 
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in SUITE_TASKS]
@@ -168,13 +169,34 @@ def _cell(rows: list[dict], wall_s: float) -> dict:
             **{k: sum(r["stats"][k] for r in rows) for k in STAT_KEYS}, "cases": rows}
 
 
-def _run_task(llm, kit: TextKit, cases: list, progress: bool) -> dict:
-    rows, wall_s = run_batch(llm, [c.prompt_token_ids for c in cases], cases[0].max_tokens, progress)
+def _run_task(llm, kit: TextKit, cases: list, progress: bool, context_first: bool = False,
+              concurrent: int = 8) -> dict:
+    if context_first:
+        rows, wall_s = _context_first(llm, cases, progress, concurrent)
+    else:
+        rows, wall_s = run_batch(llm, [c.prompt_token_ids for c in cases], cases[0].max_tokens, progress)
     for case, row in zip(cases, rows):
         del row["_request_id"], row["_tokens"]
         row.update(index=case.index, score=string_match_all(row["output"], case.references),
                    references=case.references, needles=[[n.start, n.end] for n in case.needles])
     return _cell(rows, wall_s)
+
+
+def _context_first(llm, cases: list, progress: bool, concurrent: int) -> tuple[list[dict], float]:
+    """Each case as two requests of one kept session: the context alone (one token written and
+    discarded; the policy cuts the KV as its prefill ends, as kvpress compresses a context before
+    the question is known), then the whole prompt continuing it. Rows are the second request's;
+    the time is both's. `concurrent` cases at a time, so kept sessions never crowd the pool."""
+    rows, wall_s = [], 0.0
+    for start in range(0, len(cases), concurrent):
+        group = cases[start:start + concurrent]
+        first, seconds = run_batch(llm, [c.prompt_token_ids[:c.question_start] for c in group], 1,
+                                   progress, keep=True)
+        second, more = run_batch(llm, [c.prompt_token_ids for c in group], group[0].max_tokens, progress,
+                                 continues=[row["_request_id"] for row in first])
+        rows += second
+        wall_s += seconds + more
+    return rows, wall_s
 
 
 def _run_multiturn(llm, kit: TextKit, cases: list, progress: bool) -> dict:
@@ -257,8 +279,11 @@ def ruler_suite(config: EngineConfig, spec: RulerSpec, policies: list[str] | Non
             for task in spec.tasks:
                 if progress:
                     print(f"ruler: {name}, {task}, {length} tokens, {spec.cases} cases", file=sys.stderr)
-                runner = _run_multiturn if task == "multiturn" else _run_task
-                cell = runner(llm, kit, cases[(task, length)], progress)
+                if task == "multiturn":
+                    cell = _run_multiturn(llm, kit, cases[(task, length)], progress)
+                else:
+                    cell = _run_task(llm, kit, cases[(task, length)], progress, spec.context_first,
+                                     spec.concurrent)
                 run["tasks"].setdefault(task, {})[str(length)] = cell
                 if progress:
                     print(f"ruler: {name}, {task}, {length}: score {cell['score']:.1f} in "

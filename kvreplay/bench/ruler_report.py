@@ -23,7 +23,9 @@ def ruler_markdown(result: dict) -> str:
     spec = result["spec"]
     labels = [run["label"] for run in runs]
     parts = [f"RULER-style suite: {spec['cases']} cases per task and length, seed {spec['seed']}; "
-             f"scores are string_match_all x 100; `policy@r` runs at resident_ratio r."]
+             f"scores are string_match_all x 100; `policy@r` runs at resident_ratio r."
+             + (" Context first: each case's context is a kept session cut by its policy before "
+                "the question is sent." if spec.get("context_first") else "")]
     for length in map(str, spec["lengths"]):
         tasks = [t for t in spec["tasks"] if t != "multiturn"]
         rows = [[task] + [_score(run["tasks"][task][length]["score"]) for run in runs] for task in tasks]

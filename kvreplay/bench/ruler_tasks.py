@@ -56,6 +56,7 @@ class RulerCase:
     needles: list[Needle]
     max_tokens: int
     query: str = ""
+    question_start: int = 0  # the context is prompt_token_ids[:question_start]; the question follows
 
 
 def case_seed(seed: int, task: str, length: int, index: int) -> int:
@@ -77,7 +78,7 @@ def make_case(kit: TextKit, task: str, length: int, index: int, seed: int) -> Ru
              "fwe": lambda: _frequent_words(kit, rng, length)}[task]
     prompt, references, query = build()
     return RulerCase(task, length, index, prompt.token_ids, references, prompt.needles,
-                     TASKS[task].max_tokens, query)
+                     TASKS[task].max_tokens, query, prompt.question_start)
 
 
 def _single_turn(kit: TextKit, instruction: str, question: str, answer_prefix: str, length: int,
@@ -90,6 +91,7 @@ def _single_turn(kit: TextKit, instruction: str, question: str, answer_prefix: s
     prompt = Prompt()
     prompt.add(head)
     body(prompt, length - len(head) - len(tail))
+    prompt.question_start = len(prompt.token_ids)
     prompt.add(tail)
     return prompt
 

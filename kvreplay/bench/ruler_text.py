@@ -41,6 +41,7 @@ class Prompt:
     """Token ids assembled piece by piece, with the offsets of the needles placed so far."""
     token_ids: list[int] = field(default_factory=list)
     needles: list[Needle] = field(default_factory=list)
+    question_start: int | None = None  # where the question opens (the context ends)
 
     def add(self, ids: list[int]) -> None:
         self.token_ids.extend(ids)

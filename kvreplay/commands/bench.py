@@ -110,6 +110,10 @@ def register(subparsers) -> None:
     quality.add_argument("--concurrent", type=int, default=8,
                          help="ruler: cases decoded in one batch at most; the KV pool holds this many whole "
                               "requests (default: %(default)s)")
+    quality.add_argument("--context-first", action="store_true",
+                         help="ruler: send each single-turn case's context as a kept session first and "
+                              "its question after, so a policy cuts the KV before it knows the question "
+                              "(kvpress's setting); without it the question ends the prompt the cut sees")
     quality.add_argument("--plot", dest="plot_path", default=None,
                          help="ruler: write accuracy against resident KV share as a PNG here")
     quality.add_argument("--fidelity-prompts", type=int, default=4, help="(default: %(default)s)")
@@ -208,7 +212,7 @@ def run_ruler(args) -> int:
     spec = RulerSpec(tasks=tuple(args.tasks or SUITE_TASKS), lengths=tuple(args.lengths or (4096, 7680)),
                      cases=25 if args.cases is None else args.cases,
                      ratios=tuple(args.ratios or (0.1, 0.25, 0.5)), seed=args.seed,
-                     concurrent=args.concurrent)
+                     concurrent=args.concurrent, context_first=args.context_first)
     if args.plot_path:
         from kvreplay.bench.plots import _pyplot
         _pyplot()  # no matplotlib: say so before the model work, not after

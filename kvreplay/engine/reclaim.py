@@ -217,6 +217,21 @@ class Reclaimer:
                         and not self.replayed_lately(seq, step):
                     self._fit_ratio(seq)
 
+    def cut_parked(self, seq: Sequence) -> None:
+        """A kept session parks as its policy leaves a decoding sequence after a step: cut to
+        `resident_ratio` (the presets with one), or its middle moved out of the hot tier
+        (trim="prefill", the sliding presets). Without this a request that finished as its
+        prefill ended (max_tokens=1: a context sent ahead of its question) would park whole,
+        and SnapKV would choose its blocks only when the question came."""
+        if seq.beam is not None or seq.num_computed_tokens == 0:
+            return
+        if self.resident_ratio is not None and (self.selects_at_prefill or self.policy.caps_each_step):
+            self._fit_ratio(seq)
+        elif self.policy.slides or (self.policy.drops_middle and self.trim == "prefill"):
+            blocks = self.middle(seq)
+            if blocks:
+                self._evict(seq, blocks)
+
     def _fit_ratio(self, seq: Sequence) -> None:
         """Drop `seq`'s middle blocks until its resident KV (hot + cold + key index) is within
         `resident_ratio` of the blocks `full` would hold for it: the hot middle least important

@@ -88,13 +88,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence, free: bool = True) -> None:
-        """Take a sequence out of the queues (finish or abort); free its blocks unless kept."""
+        """Take a sequence out of the queues (finish or abort); free its blocks unless kept
+        (then it parks cut as its policy leaves a decoding sequence: Reclaimer.cut_parked)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if free:
             self.kv.free(seq.seq_id)
+        else:
+            self.reclaim.cut_parked(seq)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
