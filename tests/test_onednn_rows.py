@@ -1,6 +1,7 @@
-"""oneDNN sees a few row counts (kvreplay/layers/linear.py `onednn_rows`): it keeps native memory
-for each one it has multiplied, so a server whose prefill steps came in any row count grew its
-resident memory with each new one (the soak, docs/benchmarks.md). Padding keeps F.linear's bits."""
+"""oneDNN sees a few sizes (kvreplay/layers/linear.py `onednn_rows`): it keeps native memory for
+each shape it has multiplied, so a server whose prefill steps came in any row count, and whose
+prompts' observation scores came in any length, grew its resident memory with each new one (the
+soak, docs/benchmarks.md). Padding keeps the unpadded products' bits."""
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvreplay.layers.attention import _scores
 from kvreplay.layers.linear import ONEDNN_SIZES_PER_OCTAVE, Projection, can_pack, onednn_rows
 
 
@@ -36,8 +38,22 @@ def test_padded_rows_give_plain_linears_bits(rows):
     assert torch.equal(got, F.linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [12, 96])
+@pytest.mark.parametrize("context", [17, 342, 1536, 2651])
+def test_padded_scores_give_bmms_bits(rows, context):
+    gen = torch.Generator().manual_seed(rows * context)
+    query = torch.randn(3, rows, 64, generator=gen).bfloat16()
+    keys = torch.randn(3, context, 64, generator=gen).bfloat16()
+    got = _scores(query, keys)
+    assert got.shape == (3, rows, context) and got.float().is_contiguous()
+    assert torch.equal(got, torch.bmm(query, keys.transpose(1, 2)))
+    query, keys = query.float(), keys.float()  # fp32: not padded
+    assert torch.equal(_scores(query, keys), torch.bmm(query, keys.transpose(1, 2)))
+
+
 _GROWTH = """
 import re, sys, torch
+from kvreplay.layers.attention import _scores
 from kvreplay.layers.linear import Projection, can_pack
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
@@ -50,17 +66,25 @@ proj(x[:129])
 start = rss()
 for rows in range(129, 513):
     proj(x[:rows])
-print(rss() - start)
+grown = rss() - start
+query, keys = torch.randn(3, 96, 64).bfloat16(), torch.randn(3, 4096, 64).bfloat16()
+_scores(query, keys[:, :100])
+start = rss()
+for context in range(100, 4096, 16):
+    _scores(query, keys[:, :context])
+print(grown, rss() - start)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_a_projection_over_every_row_count_keeps_its_resident_memory():
-    """A fresh process multiplies one SmolLM2-sized weight at each of 129 to 512 rows: before the
-    padding its resident memory grew ~380 MiB (here, AVX-512 EPYC), now ~20 MiB."""
+def test_products_over_every_row_count_and_length_keep_their_resident_memory():
+    """A fresh process multiplies one SmolLM2-sized weight at each of 129 to 512 rows, then scores
+    32 queries (3 KV heads) against 250 key lengths from 100 to 4,096: before the padding its
+    resident memory grew ~380 MiB and ~170 MiB (here, AVX-512 EPYC), now ~20 MiB each."""
     env = {**os.environ, "KVREPLAY_CPU_KERNELS": "0"}  # oneDNN only: nothing to build
     result = subprocess.run([sys.executable, "-c", _GROWTH], env=env, capture_output=True, text=True, timeout=120)
     if result.returncode == 3:
         pytest.skip("oneDNN takes no bf16 products here")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert float(result.stdout.split()[-1]) < 96, result.stdout
+    projections, scores = map(float, result.stdout.split()[-2:])
+    assert projections < 96 and scores < 96, result.stdout

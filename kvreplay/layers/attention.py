@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvreplay.kv.importance import block_mass
 from kvreplay.kv.quant import block_upper_bound
+from kvreplay.layers.linear import onednn_rows
 from kvreplay.layers.selection import HotSelection, mask_unselected
 from kvreplay.layers.window import window_chunk_keys, windowed_decode_meta
 
@@ -212,6 +213,20 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_seqs, num_q, head_dim)
 
 
+def _scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(query, keys.transpose(1, 2))`; on CPU in bf16 (oneDNN) with the rows and keys
+    padded with zeros to one of a few sizes (`onednn_rows`) and cut back: oneDNN keeps memory for
+    each shape it has multiplied, and every prompt length was one (docs/benchmarks.md, the soak)."""
+    rows, context = query.shape[1], keys.shape[1]
+    if query.device.type != "cpu" or query.dtype != torch.bfloat16:
+        return torch.bmm(query, keys.transpose(1, 2))
+    if onednn_rows(rows) != rows:
+        query = F.pad(query, (0, 0, 0, onednn_rows(rows) - rows))
+    if onednn_rows(context) != context:
+        keys = F.pad(keys, (0, 0, 0, onednn_rows(context) - context))
+    return torch.bmm(query, keys.transpose(1, 2))[:, :rows, :context]
+
+
 def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, block_size: int) -> None:
     """Block mass of the chunk's last `observe` queries over its keys (SnapKV's observation
@@ -221,7 +236,7 @@ def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tenso
     group = num_q // num_kv
     observed = min(chunk.observe, num_rows)
     last = query[:, -observed:].reshape(num_kv, group * observed, head_dim)
-    scores = torch.bmm(last, keys.transpose(1, 2)).float().mul_(scale)      # [Hkv, G*obs, context]
+    scores = _scores(last, keys).float().mul_(scale)                          # [Hkv, G*obs, context]
     if mask is None:  # causal within the chunk: query i sees keys <= its own row
         rows = torch.arange(num_rows - observed, num_rows, device=query.device)
         allowed = torch.arange(context, device=query.device)[None, :] <= rows[:, None]
