@@ -18,7 +18,8 @@ files are written, and `--debug-endpoints` for the pool's integrity check at the
 At `--kill-at` (a share of `--duration`; 0 for none) the server gets SIGKILL; it is restarted with
 the same flags and directory at once and the clients go on. Requests that fail while it is down
 are counted apart ("killed"). Reported: requests by outcome and status, p50/p99 latency of the
-served ones, the process's resident memory (VmRSS) after warm-up and at the end of each life,
+served ones, the process's resident memory (VmRSS) after warm-up and at the end of each life
+(and the medians of its readings over the first and last RSS_WINDOW_S),
 seconds from start to healthy for both starts, temporary files the killed process left and
 whether the restart removed them, the tier's discarded torn files, and the `/debug/kv` integrity
 check at the end. A 5xx, a transport error while the server is up, or a 4xx on a good request
