@@ -18,7 +18,8 @@ files are written, and `--debug-endpoints` for the pool's integrity check at the
 At `--kill-at` (a share of `--duration`; 0 for none) the server gets SIGKILL; it is restarted with
 the same flags and directory at once and the clients go on. Requests that fail while it is down
 are counted apart ("killed"). Reported: requests by outcome and status, p50/p99 latency of the
-served ones, the process's resident memory (VmRSS) after warm-up and at the end of each life,
+served ones, the process's resident memory (VmRSS) after warm-up and at the end of each life
+(and the medians of its readings over the first and last RSS_WINDOW_S),
 seconds from start to healthy for both starts, temporary files the killed process left and
 whether the restart removed them, the tier's discarded torn files, and the `/debug/kv` integrity
 check at the end. A 5xx, a transport error while the server is up, or a 4xx on a good request
@@ -59,6 +60,10 @@ CHARS_PER_TOKEN = 4          # the Python docs through SmolLM2's tokenizer, roug
 STARTUP_TIMEOUT_S = 900.0    # a first start may compile the CPU kernels
 WARMUP_S = 30.0              # resident memory is read this long after a start
 RSS_EVERY_S = 10.0
+# The engine returns free heap pages every 256 steps, so resident memory saw-tooths (~100 MiB
+# here); besides the two readings of a life, the medians of its readings in the first and last
+# RSS_WINDOW_S after the warm-up, for a life that lasts both windows.
+RSS_WINDOW_S = 120.0
 
 
 class Server:
@@ -265,6 +270,18 @@ class Soak:
         await asyncio.gather(*(one() for _ in range(size)))
 
 
+def rss_windows(readings: list[tuple[float, float]]) -> dict:
+    """Medians of a life's readings (seconds since its start, MiB) in the first and the last
+    RSS_WINDOW_S after the warm-up, and their ratio less one; {} for a life shorter than both."""
+    if not readings or readings[-1][0] - WARMUP_S < 2 * RSS_WINDOW_S:
+        return {}
+    first = [mib for t, mib in readings if t < WARMUP_S + RSS_WINDOW_S]
+    last = [mib for t, mib in readings if t > readings[-1][0] - RSS_WINDOW_S]
+    first_mib, last_mib = percentile(first, 50), percentile(last, 50)
+    return dict(rss_first_window_median_mib=round(first_mib, 1), rss_last_window_median_mib=round(last_mib, 1),
+                rss_window_growth=round(last_mib / first_mib - 1, 4))
+
+
 async def run(args, server: Server, model: str, tier_dir: str) -> dict:
     soak = Soak(args, server, model)
     started = time.monotonic()
@@ -285,7 +302,10 @@ async def run(args, server: Server, model: str, tier_dir: str) -> dict:
                     life["rss_warm_mib"] = server.rss_mib()
                 if server.up and now >= next_rss:
                     next_rss = now + RSS_EVERY_S
-                    rss_timeline.append((round(now - started), round(server.rss_mib() or 0)))
+                    rss = server.rss_mib()
+                    rss_timeline.append((round(now - started), round(rss or 0)))
+                    if rss and now - life["_t0"] >= WARMUP_S:
+                        life.setdefault("_rss", []).append((now - life["_t0"], rss))
                 if kill_at is not None and now >= kill_at and not crash:
                     life["rss_end_mib"] = server.rss_mib()
                     pid = server.kill()
@@ -317,6 +337,7 @@ async def run(args, server: Server, model: str, tier_dir: str) -> dict:
         warm, end = life.get("rss_warm_mib"), life.get("rss_end_mib")
         if warm and end:
             life["rss_growth"] = round(end / warm - 1, 4)
+        life.update(rss_windows(life.pop("_rss", [])))
     by_status = Counter()
     for (kind, status), count in soak.outcomes.items():
         by_status[status] += count

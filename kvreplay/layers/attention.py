@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvreplay.kv.importance import block_mass
 from kvreplay.kv.quant import block_upper_bound
+from kvreplay.layers.linear import onednn_rows
 from kvreplay.layers.selection import HotSelection, mask_unselected
 from kvreplay.layers.window import window_chunk_keys, windowed_decode_meta
 
@@ -212,6 +213,20 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         .reshape(num_seqs, num_q, head_dim)
 
 
+def _scores(query: torch.Tensor, keys: torch.Tensor, rows_at_least: int = 0) -> torch.Tensor:
+    """`torch.bmm(query, keys.transpose(1, 2))`; on CPU in bf16 (oneDNN) with the rows (at least
+    `rows_at_least`) and keys (at least 128) padded with zeros to one of a few sizes
+    (`onednn_rows`) and cut back: oneDNN keeps memory for each shape it has multiplied, and every
+    prompt length was one (docs/benchmarks.md, the soak)."""
+    rows, context = query.shape[1], keys.shape[1]
+    if query.device.type != "cpu" or query.dtype != torch.bfloat16:
+        return torch.bmm(query, keys.transpose(1, 2))
+    padded_rows, padded_keys = onednn_rows(max(rows, rows_at_least)), onednn_rows(max(context, 128))
+    query = F.pad(query, (0, 0, 0, padded_rows - rows)) if padded_rows != rows else query
+    keys = F.pad(keys, (0, 0, 0, padded_keys - context)) if padded_keys != context else keys.contiguous()
+    return torch.bmm(query, keys.transpose(1, 2))[:, :rows, :context]
+
+
 def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, block_size: int) -> None:
     """Block mass of the chunk's last `observe` queries over its keys (SnapKV's observation
@@ -221,7 +236,8 @@ def _observe_prefill(chunk: PrefillSlice, query: torch.Tensor, keys: torch.Tenso
     group = num_q // num_kv
     observed = min(chunk.observe, num_rows)
     last = query[:, -observed:].reshape(num_kv, group * observed, head_dim)
-    scores = torch.bmm(last, keys.transpose(1, 2)).float().mul_(scale)      # [Hkv, G*obs, context]
+    # [Hkv, G*obs, context]; the rows padded to a whole window's (a chunk shorter than it)
+    scores = _scores(last, keys, group * chunk.observe).float().mul_(scale)
     if mask is None:  # causal within the chunk: query i sees keys <= its own row
         rows = torch.arange(num_rows - observed, num_rows, device=query.device)
         allowed = torch.arange(context, device=query.device)[None, :] <= rows[:, None]

@@ -2,7 +2,8 @@
 
 On CPU in bf16 a weight can be kept in up to two layouts, each for the row counts where it wins:
 - oneDNN's blocked layout, packed once at load (a plain `F.linear` re-lays the matrix on every
-  call), bit-identical to `F.linear`: above `machine_panel_rows()` rows (prefill chunks).
+  call), bit-identical to `F.linear`: above `machine_panel_rows()` rows (prefill chunks), padded
+  with zero rows to one of a few sizes (`onednn_rows`).
 - a panel copy for the compiled `panel_linear` op: up to `machine_panel_rows()` rows (decode
   steps; every row count on an AVX2-only CPU). It reads the weights strictly in order, so a
   decode step runs at the speed weights stream from memory; fp32 sums like oneDNN's, in another
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # oneDNN chooses its blocked layout for a typical row count; any row count works with it.
 PACK_BATCH_HINT = 32
+# oneDNN keeps native memory for each row count it has multiplied, and a new row count costs new
+# primitives: a server's prefill steps come in any row count, and its resident memory grew with
+# each new one (docs/benchmarks.md, the server soak; SmolLM2-135M's 4 projections at each of 129
+# to 512 rows: +476 MiB, +294 MiB with oneDNN's primitive cache off). So oneDNN sees rows padded
+# up to one of this many sizes an octave (1/8 more rows at most): 16 sizes from 129 to 512 rows.
+ONEDNN_SIZES_PER_OCTAVE = 8
 # Up to this many rows go to the panel kernel (above it oneDNN's blocking wins), on a CPU whose
 # bf16 products run on the vector units...
 PANEL_ROWS = 128
@@ -52,6 +59,14 @@ PANEL_ROWS_ANY = sys.maxsize
 QUANT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # Outputs in one panel of the panel kernel (csrc/layer_ops.h: kPanelTiles x 16)
 PANEL_OUTPUTS = 48
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count oneDNN computes `rows` rows as: rounded up to a multiple of 1/8 of the
+    power of two at or below it (rows itself below 16). The padded rows' outputs are dropped;
+    the others' are the same bits (tests/test_onednn_rows.py checks F.linear's)."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // ONEDNN_SIZES_PER_OCTAVE)
+    return -(-rows // step) * step
 
 
 def silu_pair_order(width: int) -> torch.Tensor | None:
@@ -271,6 +286,11 @@ class Projection:
         if self.on_panels(x):
             return self._in_order(self.panel_linear(x, self.panels, self.panel_bias))
         if self.packed and x.dtype == torch.bfloat16 and x.dim() == 2:
+            rows = x.shape[0]
+            padded = onednn_rows(rows)
+            if padded != rows:
+                return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, padded - rows)), self.weight,
+                                                          self.bias, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.packed:
             raise ValueError(f"packed bf16 projection got a {x.dtype} input of shape {tuple(x.shape)}")

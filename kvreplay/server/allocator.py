@@ -4,7 +4,7 @@ The engine thread allocates and frees each step's buffers, whose sizes change wi
 glibc gives each thread an arena of its own and keeps freed space mapped: 224 requests, 4 at a
 time, grew a server's resident memory by ~1.5 MiB each; with one arena for every thread the same
 run stayed flat, and returning free pages (malloc_trim) gives back ~400 MiB the start-up leaves.
-The 10-minute soak still grows (docs/benchmarks.md, "Reliability": not explained yet).
+What the soak still grew by was oneDNN's memory per shape (layers/linear.py `onednn_rows`).
 """
 from __future__ import annotations
 
