@@ -9,6 +9,8 @@ from kvreplay.kv.local_groups import layer_layout
 from kvreplay.kv.manager import KVManager
 from kvreplay.kv.tiers import DROPPED
 from kvreplay.planner import KVDims, plan
+from kvreplay.server.generation import EngineSnapshot
+from kvreplay.server.metrics import ServerMetrics
 
 BLOCK, WINDOW = 4, 8  # a window touches 3 blocks at most
 LOCAL = (0, 1, 3, 4)  # of 6 layers: global 2 and 5, two local groups of two
@@ -149,3 +151,16 @@ def test_resident_bytes_at_8k_equal_the_planners_figure():
         assert kv.local.num_held(1) <= kv.local.window_blocks == 33
     dims = KVDims(18, 1, 256, num_local_layers=15, sliding_window=512)
     assert kv.num_used_blocks * kv.block_bytes == plan(dims, 8192).hybrid_bytes
+
+
+def test_blocks_per_layer_group_in_metrics():
+    kv = _pool(40)
+    kv.add_sequence(1)
+    _step(kv, 1, list(range(100, 124)), 24)
+    groups = kv.local.blocks_by_group()  # local: blocks 4, 5 held, 0-3 cached, in two groups
+    assert groups == {"global": {"used": 6, "cached": 0}, "local": {"used": 4, "cached": 8}}
+    assert KVManager(4, BLOCK, 6, 1, 2, torch.float32).local.blocks_by_group() == \
+        {"global": {"used": 0, "cached": 0}}
+    text = ServerMetrics(lambda: EngineSnapshot(blocks_by_group=groups)).render().decode()
+    assert 'kvreplay_kv_blocks_by_group{group="local",state="cached"} 8.0' in text
+    assert 'kvreplay_kv_blocks_by_group{group="global",state="used"} 6.0' in text

@@ -131,6 +131,20 @@ class LocalGroups:
             end = missing  # any longer hit's window still reads the missing column
         return end - start_column
 
+    def blocks_by_group(self) -> dict[str, dict[str, int]]:
+        """Pool blocks (pages) per layer group: `used` (referenced by a table; the key index's
+        reserved blocks aside) and `cached` (free, in the LRU). One group, `global`, when the
+        pool is not hybrid: every layer keeps every block."""
+        kv = self.kv
+        local_used = len({page for tables in self.tables.values() for table in tables
+                          for page in table if page != DROPPED})
+        local_cached = sum(not kv.pool.cache.is_listed(page) for page in kv.pool.lru_order())
+        groups = {"global": {"used": kv.num_used_blocks - kv.num_reserved_blocks - local_used,
+                             "cached": kv.num_cached_blocks - local_cached}}
+        if self.num_groups:
+            groups["local"] = {"used": local_used, "cached": local_cached}
+        return groups
+
     # ------------------------------------------------------------------ mutations
     def add(self, seq_id: int) -> None:
         self.tables[seq_id] = [[] for _ in range(self.num_groups)]

@@ -83,6 +83,11 @@ class PrefixCache:
             if block_hash not in self._unlisted:
                 yield block_hash, self._parent_by_hash[block_hash], tokens
 
+    def is_listed(self, block: int) -> bool:
+        """Cached, and among `entries` (not a hybrid pool's local page)."""
+        key = self._key_by_block.get(block)
+        return key is not None and key[0] not in self._unlisted
+
     def is_cached(self, block: int) -> bool:
         return block in self._key_by_block
 
