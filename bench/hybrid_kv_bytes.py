@@ -40,12 +40,13 @@ def measure(llm: LLM, token_ids: list[int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
-    parser.add_argument("--contexts", default="4096,8192", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--contexts", default="4096,8192",
+                        help="prompt lengths in tokens, comma-separated (two under the model's context at most)")
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     llm = LLM(model=args.model, dtype="bfloat16", kv_cache_memory="1GiB", max_num_batched_tokens=args.chunk,
-              enable_prefix_caching=False, max_model_len=max(contexts) + 2)
+              enable_prefix_caching=False)
     dims = KVDims.from_model_config(read_model_config(args.model), args.model)
     corpus = corpus_token_ids(llm.tokenizer, max(contexts))
     print("| context | engine, hybrid | blocks (global / local) | bytes per token | planner hybrid | "

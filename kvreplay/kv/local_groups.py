@@ -66,15 +66,20 @@ class LocalGroups:
         """The group's table of `seq_id` with released columns as page 0 (never read: every
         query's window starts at or after the first held column)."""
         table = self.tables[seq_id][group]
-        first = len(table)
-        while first and table[first - 1] != DROPPED:  # held columns are a suffix
-            first -= 1
+        first = len(table) - self._held_in(table)
         return [0] * first + table[first:]
+
+    @staticmethod
+    def _held_in(table: list[int]) -> int:
+        held = 0
+        while held < len(table) and table[-1 - held] != DROPPED:  # held columns are a suffix
+            held += 1
+        return held
 
     def num_held(self, seq_id: int) -> int:
         """Columns whose local pages `seq_id` holds (the same in every group)."""
         tables = self.tables.get(seq_id)
-        return sum(page != DROPPED for page in tables[0]) if tables else 0
+        return self._held_in(tables[0]) if tables else 0
 
     # ------------------------------------------------------------------ queries
     def num_blocks_projected(self, seq_id: int, num_new_tokens: int) -> int:
@@ -129,7 +134,7 @@ class LocalGroups:
             if missing is None:
                 break
             end = missing  # any longer hit's window still reads the missing column
-        return end - start_column
+        return max(0, end - start_column)
 
     def blocks_by_group(self) -> dict[str, dict[str, int]]:
         """Pool blocks (pages) per layer group: `used` (referenced by a table; the key index's
