@@ -173,6 +173,10 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(
         True, "reuse the K/V of full blocks whose whole prefix matches (shared prompt prefixes)",
         flag="--no-prefix-caching", check=boolean)
+    hybrid_kv: bool = knob(
+        True, "sliding-window models (gemma3): the hybrid KV pool, in which local layers keep "
+              "K/V only for their window's blocks while global layers keep every block; off: "
+              "every layer keeps every block", flag="--no-hybrid-kv", check=boolean)
     pause_mode: str = knob(
         "protected", "what a paused sequence keeps: protected keeps its protected span and "
                      "sinks; recompute keeps nothing (vLLM's recompute preemption)",

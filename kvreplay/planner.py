@@ -316,7 +316,7 @@ class RequestPlan:
     # context each of its levels holds ('memory', 'disk'), for the budgets planned.
     tier_sessions: dict[str, int] = field(default_factory=dict)
     # Per layer group: bytes per token, and the bytes a hybrid pool would hold for this context
-    # (local layers only their window; the engine's pool keeps every layer's blocks: `full_bytes`).
+    # (local layers only their window, kv/local_groups.py; every layer's blocks: `full_bytes`).
     layer_groups: list[dict] = field(default_factory=list)
 
     @property

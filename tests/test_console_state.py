@@ -40,6 +40,8 @@ def _check_against_manager(engine, state: dict) -> None:
     assert (pool["num_blocks"], pool["num_used_blocks"], pool["num_reserved_blocks"]) == \
         (kv.num_blocks, kv.num_used_blocks, kv.num_reserved_blocks)
     assert (pool["index_bytes"], pool["cold_bytes"]) == (kv.index_bytes, kv.cold_bytes)
+    assert pool["groups"] == {"global": {"used": kv.num_used_blocks - kv.num_reserved_blocks,
+                                         "cached": kv.num_cached_blocks}}  # a Llama: one layer group
     assert state["usage"]["used"] == pytest.approx(kv.num_used_blocks / kv.num_blocks)
     live = {seq.seq_id: seq for request in engine.requests.values() for seq in request.seqs
             if not seq.is_finished}

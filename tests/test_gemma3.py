@@ -1,5 +1,6 @@
 """Gemma 3 270M (models/gemma3.py) against transformers' Gemma 3 on the same dequantized weights,
-fp32; its facts read from the GGUF; the inputs and settings it refuses.
+fp32, over the hybrid KV pool (kv/local_groups.py) and over the pool in which every layer keeps
+every block; its facts read from the GGUF; the inputs and settings it refuses.
 
 transformers' model is built from our loader's tensors (its GGUF path would dequantize the file a
 second time): the GGUF's norms are llama.cpp's 1 + w, transformers adds the 1 itself."""
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from kvreplay import LLM, SamplingParams
+from kvreplay.engine import llm_engine
+from kvreplay.engine.model_setup import EngineModel
 from kvreplay.layers.linear import Projection
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.gemma3 import Gemma3Model
@@ -29,6 +32,24 @@ def gemma32():
     llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="128MiB", max_num_batched_tokens=512)
     yield llm
     llm.engine.check_integrity()
+
+
+def _engine_on(gemma32, **knobs) -> LLM:
+    """Another fp32 engine over gemma32's model object (no second load), with `knobs`."""
+    engine = gemma32.engine
+    loaded = EngineModel(engine.model, engine.tokenizer, engine.model_source, engine.max_model_len)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "load_engine_model", lambda config: loaded)
+        return LLM(model=MODEL, dtype="float32", **{"kv_cache_memory": "128MiB", "max_num_batched_tokens": 512} | knobs)
+
+
+def _checked(engine) -> None:
+    """After a step: the pool is consistent and no sequence's local groups hold more than the
+    blocks its next query's window reads."""
+    engine.check_integrity()
+    local = engine.kv.local
+    for seq_id in local.tables:
+        assert local.num_held(seq_id) <= local.window_blocks, f"seq {seq_id}: {local.num_held(seq_id)} local blocks"
 
 
 def _weights_of(model: Gemma3Model) -> dict[str, torch.Tensor]:
@@ -134,8 +155,9 @@ def test_logits_match_transformers_on_1500_tokens(gemma32, weights, hf_prompt, t
 def test_greedy_past_the_window_matches_transformers(gemma32, hf_gemma, hf_prompt, text_ids):
     """2,000 tokens: local layers see 512 of them, global ones all; then the same prompt again
     from the prefix cache, beside a short prompt in one batch."""
+    assert gemma32.engine.kv.local.num_groups == 5  # the hybrid pool, by default
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    output = gemma32.generate(text_ids, params, on_step=lambda e: e.check_integrity())
+    output = gemma32.generate(text_ids, params, on_step=_checked)
     hidden, cache = hf_prompt
     expected = [int((hidden[-1] @ hf_gemma.lm_head.weight.T).argmax())]
     with torch.no_grad():  # transformers' greedy steps, on from its cache
@@ -143,9 +165,27 @@ def test_greedy_past_the_window_matches_transformers(gemma32, hf_gemma, hf_promp
             logits = hf_gemma(torch.tensor([[expected[-1]]]), past_key_values=cache, use_cache=True).logits
             expected.append(int(logits[0, -1].argmax()))
     assert output.token_ids == expected
-    again = gemma32.generate([text_ids, text_ids[:40]], params, on_step=lambda e: e.check_integrity())
+    again = gemma32.generate([text_ids, text_ids[:40]], params, on_step=_checked)
     assert again[0].token_ids == expected
     assert again[0].stats.prefix_hit_tokens >= 1984
+    # every layer keeping every block: the same tokens
+    full_pool = _engine_on(gemma32, hybrid_kv=False)
+    assert full_pool.engine.kv.local.num_groups == 0
+    assert full_pool.generate(text_ids, params, on_step=_checked).token_ids == expected
+
+
+def test_pauses_on_a_small_hybrid_pool(gemma32, text_ids):
+    """Five requests whose decodes outgrow a 172-block pool (one sequence's local windows and 7
+    blocks): sequences pause and resume, every step consistent, the tokens those of the same
+    batch on a roomy pool."""
+    prompts = [text_ids[i * 300:i * 300 + 40] for i in range(5)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    small = _engine_on(gemma32, kv_cache_memory=172 * 98304)  # fp32 blocks of 3 layers
+    assert small.engine.kv.num_blocks == 172
+    outputs = small.generate(prompts, params, on_step=_checked)
+    assert sum(output.stats.pauses for output in outputs) > 0
+    roomy = gemma32.generate(prompts, params, on_step=_checked)
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in roomy]
 
 
 def test_branches_and_an_abort_past_the_window(gemma32, text_ids):
@@ -159,7 +199,7 @@ def test_branches_and_an_abort_past_the_window(gemma32, text_ids):
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-        engine.check_integrity()
+        _checked(engine)
         steps += 1
         if steps == 4:
             abort_output = engine.abort_request(aborted)
@@ -222,6 +262,11 @@ def test_lossy_policies_are_refused(policy):
     ratio = {"resident_ratio": 0.25} if policy in ("snapkv", "h2o", "quest") else {}
     with pytest.raises(ValueError, match="not supported for gemma3"):
         LLM(model=MODEL, policy=policy, **ratio)
+
+
+def test_session_tier_over_the_hybrid_pool_is_refused():
+    with pytest.raises(ValueError, match="hybrid KV pool yet; turn the tier off or set hybrid_kv=False"):
+        LLM(model=MODEL, kv_tier_memory="64MiB")
 
 
 def test_hf_config_of_gemma3_is_refused():

@@ -62,8 +62,8 @@ def test_default_model_bytes_per_token():
 
 def test_layer_groups_of_a_sliding_window_model():
     """Gemma 3 270M's shape: 3 global layers keep every token, 15 local ones their 512-token
-    window, which touches at most 33 blocks of 16 (a hybrid pool's figure; the engine's pool
-    keeps every layer's blocks)."""
+    window, which touches at most 33 blocks of 16 (the engine's hybrid pool holds that:
+    tests/test_kv_hybrid.py)."""
     gemma = KVDims(18, 1, 256, num_local_layers=15, sliding_window=512)
     request = plan(gemma, 32_768)
     assert [(g["name"], g["num_layers"], g["bytes_per_token"]) for g in request.layer_groups] == \

@@ -36,6 +36,8 @@ def _scrape(server) -> dict[str, float]:
                 samples[sample.name] = sample.value
             elif sample.name == "kvreplay_kv_blocks":
                 samples[f"blocks_{labels['tier']}_{labels['state']}"] = sample.value
+            elif sample.name == "kvreplay_kv_blocks_by_group":
+                samples[f"group_{labels['group']}_{labels['state']}"] = sample.value
             elif not labels:
                 samples[sample.name] = sample.value
     return samples
@@ -45,6 +47,7 @@ def _check_mirrored(s: dict[str, float]) -> None:
     assert s["vllm:num_requests_running"] == s["kvreplay_num_requests_running"]
     assert s["vllm:num_requests_waiting"] == s["kvreplay_num_requests_waiting"]
     used = s["blocks_hot_used"] + s["blocks_reserved_used"]
+    assert s["group_global_used"] == s["blocks_hot_used"] and "group_local_used" not in s  # one layer group
     assert s["vllm:kv_cache_usage_perc"] == pytest.approx(used / (used + s["blocks_hot_free"]))
     assert s["vllm:prefix_cache_queries_total"] == s["kvreplay_prompt_tokens_total"]
     assert s["vllm:prefix_cache_hits_total"] == s["kvreplay_prefix_cache_hit_tokens_total"]

@@ -107,7 +107,8 @@ def run_plan(args) -> int:
         return 0
     print(render(dims, knobs, plans))
     if dims.num_local_layers:  # sliding-window models run under full only (engine/model_setup.py)
-        print("\nthe engine serves this sliding-window model under policy full only, for now")
+        print("\nthe engine serves this sliding-window model under policy full only, for now; its "
+              "hybrid pool holds the hybrid figure (the policies' rows count every layer's blocks)")
     elif args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
         print("\n" + replay_knobs_line(dims.source, knobs.block_size))
     return 0
@@ -165,8 +166,8 @@ def render(dims: planner.KVDims, knobs: planner.PlanKnobs, plans: list[planner.R
                 row += f"{p.max_concurrency:>16,}" if p.max_concurrency else f"{'0 (too big)':>16}"
             lines.append(row)
         if dims.num_local_layers:
-            lines.append(f"  hybrid pool (local layers keep their window; not built yet, the engine keeps "
-                         f"every layer's blocks): {fmt(request.hybrid_bytes)}, "
+            lines.append(f"  hybrid pool (the engine's, hybrid_kv: local layers keep their window): "
+                         f"{fmt(request.hybrid_bytes)}, "
                          f"{request.hybrid_bytes / request.context_tokens:,.0f} bytes per token, "
                          f"{request.full_bytes / request.hybrid_bytes:.2f}x less than full")
         if request.tier_sessions:

@@ -66,10 +66,12 @@ class BeamGroup:
     max_blocks: int = 0  # the group's KV blocks at most (worst_case_blocks)
 
     @classmethod
-    def start(cls, seq: Sequence, max_tokens: int, num_blocks: int, block_size: int) -> "BeamGroup":
-        """The group of `seq`'s beams; ValueError when even the whole pool cannot hold them."""
+    def start(cls, seq: Sequence, max_tokens: int, num_blocks: int, block_size: int,
+              window_blocks: int = 0) -> "BeamGroup":
+        """The group of `seq`'s beams; ValueError when even the whole pool cannot hold them.
+        `window_blocks`: what each beam holds beside, a hybrid pool's local windows."""
         width = seq.params.beam_width
-        need = worst_case_blocks(seq.num_prompt_tokens, max_tokens, width, block_size)
+        need = worst_case_blocks(seq.num_prompt_tokens, max_tokens, width, block_size) + width * window_blocks
         if need > num_blocks:
             raise ValueError(f"beam search of width {width} over {seq.num_prompt_tokens} prompt tokens "
                              f"with max_tokens={max_tokens} may need {need} KV blocks, and the pool "

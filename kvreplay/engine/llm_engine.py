@@ -16,14 +16,13 @@ from kvreplay.engine.counters import EngineCounters
 from kvreplay.engine.grammar import Grammars
 from kvreplay.engine.kv_events import KVEventPublisher
 from kvreplay.engine.layered_pass import layered_work_bytes
-from kvreplay.kv import KVManager
 from kvreplay.engine.model_runner import ModelRunner, StepResult
 from kvreplay.engine.request import Request, check_request
 from kvreplay.engine.scheduler import ScheduledBatch, Scheduler
 from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.engine.sessions import KeptSessions
 from kvreplay.engine.tier_loads import attach_tier
-from kvreplay.engine.model_setup import load_engine_model
+from kvreplay.engine.model_setup import build_kv_manager, load_engine_model
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams, rows_logprobs, sample
 
@@ -41,11 +40,6 @@ class LLMEngine:
 
         dtype_bytes = torch.finfo(config.torch_dtype).bits // 8
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(dtype_bytes)
-        num_blocks = config.kv_cache_bytes // (self.kv_bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
-                f"tokens ({self.kv_bytes_per_token * config.block_size:,} bytes): raise it")
         cfg = self.model_config
         named = config.need_layer_set  # a set, None (all) or "auto"
         if isinstance(named, frozenset) and max(named) >= cfg.num_layers:
@@ -53,14 +47,9 @@ class LLMEngine:
                              f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         need_layers, heavy_tokens, replay_threshold, self.calibration = replay_knobs(
             config, self.model, self.tokenizer, self.model_source)
-        self.kv = KVManager(num_blocks, config.block_size, cfg.num_layers, cfg.num_kv_heads,
-                            cfg.head_dim, config.torch_dtype, config.device,
-                            enable_prefix_caching=config.enable_prefix_caching,
-                            cold_dtype=config.cold_dtype if config.kv_policy.demotes else None,
-                            index_layers=need_layers)
+        self.kv = build_kv_manager(config, cfg, need_layers)  # engine/model_setup.py: sized to the budget
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.watermark_levels, config.pause_mode,
-                                   block_bytes=self.kv_bytes_per_token * config.block_size,
+                                   config.watermark_levels, config.pause_mode, block_bytes=self.kv.block_bytes,
                                    policy=config.kv_policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=heavy_tokens, trim_order=config.trim_order,
@@ -138,7 +127,8 @@ class LLMEngine:
         # Branches wait for the first one's prefill, then share its blocks (copy on write).
         seqs[0].forks = seqs[1:]
         if params.beam_width > 1:
-            seqs[0].beam = BeamGroup.start(seqs[0], max_tokens, self.kv.num_blocks, self.kv.block_size)
+            seqs[0].beam = BeamGroup.start(seqs[0], max_tokens, self.kv.num_blocks, self.kv.block_size,
+                                           self.kv.local.num_groups * self.kv.local.window_blocks)
         self.scheduler.add(seqs[0])
         self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
                                              token_ids, seqs, stream, keep)

@@ -8,6 +8,7 @@ import torch
 
 from kvreplay.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from kvreplay.engine.layered_pass import LayeredPass
+from kvreplay.engine.local_meta import local_group_metas
 from kvreplay.engine.replay import NeedOutcome
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import Sequence
@@ -40,6 +41,7 @@ class _Rows:
     slots: list[torch.Tensor] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     sampled: list[Sequence] = field(default_factory=list)
+    spans: list[tuple[Sequence, int, int]] = field(default_factory=list)  # chunks: (seq, start, end)
 
 
 class ModelRunner:
@@ -66,9 +68,10 @@ class ModelRunner:
         self.prefill_kernel = cpu_kernels.prefill_attention() \
             if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
         self.layered = LayeredPass(model, kv, layered_chunk_tokens, self.prefill_kernel, observe_importance)
-        # Plain decode steps on a GPU replay CUDA graphs (kvreplay/engine/cuda_graphs.py).
+        # Plain decode steps on a GPU replay CUDA graphs (kvreplay/engine/cuda_graphs.py);
+        # not over a hybrid pool, whose local layers read other tables.
         self.graphs = DecodeGraphs(model, kv.kv_caches, kv.block_size) \
-            if self.device.type == "cuda" and cuda_graphs_enabled() else None
+            if self.device.type == "cuda" and cuda_graphs_enabled() and not kv.local.num_groups else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -92,6 +95,10 @@ class ModelRunner:
         observed = self._add_chunks(batch, rows, meta)
         if rows.input_ids:
             meta.slot_mapping = torch.cat(rows.slots).to(self.device)
+            if self.kv.local.num_groups:  # a hybrid pool: local layers read their groups' pages
+                meta.layer_groups = self.kv.layer_groups
+                meta.local_groups = local_group_metas(self.kv, meta, batch.decodes if meta.num_decode_tokens else [],
+                                                      rows.spans)
             logits = self.model.forward(
                 torch.tensor(rows.input_ids, dtype=torch.long, device=self.device),
                 torch.cat(rows.positions).to(self.device), self.kv.kv_caches, meta,
@@ -175,6 +182,7 @@ class ModelRunner:
             row = len(rows.input_ids)
             rows.input_ids.extend(seq.token_ids[start:end])
             rows.positions.append(torch.arange(start, end))
+            rows.spans.append((seq, start, end))
             full_table = torch.tensor(self.kv.block_table(seq.seq_id), dtype=torch.long)
             rows.slots.append(self._slots(full_table, start, end))
             piece = self._prefill_slice(full_table, start, end, row)

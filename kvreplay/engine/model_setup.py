@@ -1,10 +1,13 @@
-"""The engine's model: which class runs it, and the settings it cannot serve, refused before the
-weights load (docs/architecture.md, "Gemma 3")."""
+"""The engine's model: which class runs it, the settings it cannot serve, refused before the
+weights load, and the KV pool sized for it (docs/architecture.md, "Gemma 3")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvreplay.config import EngineConfig
+from kvreplay.kv import KVManager
 from kvreplay.models.config import ModelConfig
 from kvreplay.models.gemma3 import Gemma3Model
 from kvreplay.models.llama import LlamaModel
@@ -34,6 +37,10 @@ def check_model_settings(config: EngineConfig, model_config: ModelConfig) -> int
     if model_config.sliding_window is not None and config.kv_policy.name != "full":
         raise ValueError(f"policy={config.policy!r} is not supported for {model_config.architecture} "
                          "yet: its sliding-window layers need every block hot; use policy='full'")
+    if hybrid(config, model_config) and (config.kv_tier_memory_bytes or config.kv_tier_dir):
+        raise ValueError("the session tier (kv_tier_memory / kv_tier_dir) stores every layer of a block: "
+                         f"it does not take {model_config.architecture}'s hybrid KV pool yet; turn the "
+                         "tier off or set hybrid_kv=False")
     return max_model_len
 
 
@@ -44,3 +51,27 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
     model_class = MODEL_CLASSES.get(loaded.config.architecture, LlamaModel)
     model = model_class(loaded.config, loaded.weights, config.torch_dtype, config.device, loaded.quantized)
     return EngineModel(model, loaded.tokenizer, loaded.source, max_model_len)
+
+
+def hybrid(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """The pool is hybrid (kv/local_groups.py): a sliding-window model, `hybrid_kv` on."""
+    return bool(config.hybrid_kv and model_config.sliding_window and model_config.local_layers)
+
+
+def build_kv_manager(config: EngineConfig, model_config: ModelConfig, need_layers) -> KVManager:
+    """The KV manager with as many blocks as `kv_cache_memory` holds. A hybrid pool's block
+    (page) holds one block of the global layers or of one group of as many local layers."""
+    local_layers = model_config.local_layers if hybrid(config, model_config) else ()
+    num_global = model_config.num_layers - len(local_layers)
+    dtype_bytes = torch.finfo(config.torch_dtype).bits // 8
+    block_bytes = 2 * num_global * model_config.num_kv_heads * model_config.head_dim * dtype_bytes * config.block_size
+    num_blocks = config.kv_cache_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {config.block_size} "
+                         f"tokens ({block_bytes:,} bytes): raise it")
+    return KVManager(num_blocks, config.block_size, model_config.num_layers, model_config.num_kv_heads,
+                     model_config.head_dim, config.torch_dtype, config.device,
+                     enable_prefix_caching=config.enable_prefix_caching,
+                     cold_dtype=config.cold_dtype if config.kv_policy.demotes else None,
+                     index_layers=need_layers, local_layers=local_layers,
+                     sliding_window=model_config.sliding_window if local_layers else None)

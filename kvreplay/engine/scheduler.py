@@ -150,7 +150,7 @@ class Scheduler:
         # Running prompts still to prefill are committed already: project them in.
         # (A layered prefill holds its blocks from the start.)
         committed = self.kv.num_used_blocks + sum(
-            self.kv.num_blocks_needed(seq.seq_id, seq.num_uncomputed_tokens)
+            self.kv.num_blocks_projected(seq.seq_id, seq.num_uncomputed_tokens)
             for seq in self.running if seq.num_uncomputed_tokens > 1 and seq.layered is None)
         while self.waiting and budget > 0 and not batch.paused \
                 and len(self.running) < self.max_num_seqs:

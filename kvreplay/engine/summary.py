@@ -19,6 +19,7 @@ def describe(engine, load_seconds: float | None = None) -> list[str]:
     ready = f"ready in {load_seconds:.1f} s: " if load_seconds is not None else ""
     context = engine.max_model_len
     blocks_per_request = -(-context // kv.block_size)
+    blocks_per_request += kv.local.num_groups * min(blocks_per_request, kv.local.window_blocks)  # hybrid
     lines = [
         f"{ready}{os.path.basename(engine.model_source.rstrip('/'))} ({model_config.architecture}, "
         f"{model_config.num_layers} layers, {model_config.num_kv_heads} KV heads x "
@@ -32,6 +33,9 @@ def describe(engine, load_seconds: float | None = None) -> list[str]:
         f"steps: {config.max_num_batched_tokens} tokens, {config.max_num_seqs} sequences at most; "
         f"{compute(engine)}",
     ]
+    if kv.local.num_groups:
+        lines.insert(2, f"hybrid pool: a block of {len(kv.storages)} layers ({kv.block_bytes:,} bytes); "
+                        f"{kv.local.num_groups} local layer groups keep their last {kv.local.window_blocks} blocks")
     tier = kv.tier_io.tier if kv.tier_io is not None else None
     if tier is not None:
         where = f", disk {format_bytes(tier.disk_budget)} in {tier.directory}" if tier.directory else ""

@@ -51,6 +51,7 @@ def check_integrity(kv) -> None:
         pinned = kv.num_pinned_blocks(seq_id)
         assert all(b != DROPPED and kv.pool.ref_counts[b] > 0 for b in table[:pinned]), \
             f"seq {seq_id}: pin lost"
+    kv.local.check_integrity(counted)  # a hybrid pool's local pages
     for block in range(kv.num_blocks):
         assert counted[block] == kv.pool.ref_counts[block], \
             f"block {block}: ref count {kv.pool.ref_counts[block]}, tables hold {counted[block]}"

@@ -35,6 +35,7 @@ from kvreplay.kv.importance import BlockImportance
 from kvreplay.kv.integrity import check_integrity
 from kvreplay.kv.key_index import KeyIndex
 from kvreplay.kv.layered import LayeredPrefills
+from kvreplay.kv.local_groups import LocalGroups, layer_layout
 from kvreplay.kv.prefix_cache import HashFn, chain_hash
 from kvreplay.kv.tiers import DROPPED, TierMoves, blocks_for as _blocks_for
 from kvreplay.kv.tier_io import TierIO
@@ -54,7 +55,8 @@ class KVManager:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  enable_prefix_caching: bool = True, hash_fn: HashFn = chain_hash,
-                 cold_dtype: str | None = None, index_layers: frozenset[int] | None = None):
+                 cold_dtype: str | None = None, index_layers: frozenset[int] | None = None,
+                 local_layers: tuple[int, ...] = (), sliding_window: int | None = None):
         assert num_blocks > 0 and block_size > 0, "a pool needs at least one block"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -64,32 +66,34 @@ class KVManager:
         # Heads outermost: gathering a batch's blocks yields [Hkv, B, L, D], which batched
         # matmuls take as it is (no per-layer copy to a head-major layout).
         # On a CPU, 2 MiB pages where Linux gives them (decode reads scattered 2 KiB blocks).
-        self.kv_caches = [huge_pages.zeros(2, num_kv_heads, num_blocks, block_size, head_dim,
-                                           dtype=dtype, device=device) for _ in range(num_layers)]
+        # `local_layers` (their window `sliding_window`): a hybrid pool (kv/local_groups.py),
+        # whose layers share storage tensors, one per global layer.
+        layer_slots, self.layer_groups, num_groups = layer_layout(num_layers, local_layers)
+        self.storages = [huge_pages.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                                          device=device) for _ in range(max(layer_slots) + 1)]
+        self.kv_caches = [self.storages[slot] for slot in layer_slots]
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self._num_slots: dict[int, int] = {}      # tokens each sequence has room for
         self._hashes: dict[int, list[int]] = {}   # chain hash of each leading full, computed block
         self._pinned_tokens: dict[int, int] = {}  # head of the sequence kept through a pause
         self._extra_keys: dict[int, tuple] = {}
-        self.peak_used_blocks = 0
+        self.peak_used_blocks = self.peak_resident_bytes = self.peak_index_bytes = self.peak_cold_bytes = 0
         self.num_cow_copies = 0
-        self.block_bytes = 2 * num_layers * num_kv_heads * block_size * head_dim * \
+        self.block_bytes = 2 * len(self.storages) * num_kv_heads * block_size * head_dim * \
             torch.finfo(dtype).bits // 8
+        self.local = LocalGroups(self, num_groups, sliding_window)  # no groups: not hybrid
         # The need detector's int4 keys, for the layers it reads (index_layers; None: all).
         self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device,
                                   layers=index_layers)
         self.cold_pool = ColdPool(num_layers, num_kv_heads, block_size, head_dim, cold_dtype, device) \
             if cold_dtype else None
-        self.peak_cold_bytes = 0
         # Helpers this manager owns: moves between tiers (with the dropped records and the
         # reservation) and layered prefills (with their working memory).
         self.tiers = TierMoves(self)
         self._dropped = self.tiers.records  # seq -> block index -> DroppedBlock
         self.layered = LayeredPrefills(self)
         self.fingerprint_tolerance = 1e-3 if dtype == torch.float32 else 6e-2
-        self.peak_resident_bytes = 0
-        self.peak_index_bytes = 0
         self.importance = BlockImportance()  # observed attention mass per block
         self.tier_io: TierIO | None = None  # the session tier below the pool (attach_tier)
 
@@ -119,7 +123,8 @@ class KVManager:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens one sequence can hold (beside a hybrid pool's local windows)."""
+        return max(0, self.num_blocks - self.local.num_groups * self.local.window_blocks) * self.block_size
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -146,7 +151,8 @@ class KVManager:
         """Free blocks that `allocate(seq_id, num_new_tokens)` would take (CoW copy included)."""
         have = len(self._tables.get(seq_id, ()))
         total = self._num_slots.get(seq_id, 0) + num_new_tokens
-        return max(0, _blocks_for(total, self.block_size) - have) + self._needs_copy(seq_id, num_new_tokens)
+        new, copy = max(0, _blocks_for(total, self.block_size) - have), self._needs_copy(seq_id, num_new_tokens)
+        return new + copy + self.local.num_pages_needed(seq_id, new, copy)
 
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:
         return self.num_blocks_needed(seq_id, num_new_tokens) <= self.pool.num_free
@@ -162,7 +168,7 @@ class KVManager:
             return []
         parent = hashes[-1] if hashes else None
         extra = self._extra_keys.get(seq_id, ())
-        blocks = []
+        blocks, hashes, tokens_of = [], [], []
         for start in range(slots, (len(token_ids) - 1) // self.block_size * self.block_size,
                            self.block_size):
             tokens = tuple(token_ids[start:start + self.block_size])
@@ -171,6 +177,10 @@ class KVManager:
             if block is None:
                 break
             blocks.append(block)
+            hashes.append(parent)
+            tokens_of.append(tokens)
+        if blocks:  # as far as the local groups' windows reach
+            blocks = blocks[:self.local.trim_hit(seq_id, slots // self.block_size, hashes, tokens_of)]
         return blocks
 
     def num_blocks_to_admit(self, seq_id: int, hit_blocks: list[int], num_tokens: int) -> int:
@@ -178,7 +188,8 @@ class KVManager:
         `num_tokens` tokens: unreferenced hits plus new blocks."""
         have = len(self._tables.get(seq_id, ())) + len(hit_blocks)
         revived = sum(1 for block in hit_blocks if self.pool.ref_counts[block] == 0)
-        return revived + max(0, _blocks_for(num_tokens, self.block_size) - have)
+        return revived + max(0, _blocks_for(num_tokens, self.block_size) - have) + \
+            self.local.num_pages_projected(seq_id, num_tokens)
 
     def pause_preview(self, seq_id: int, keep_pinned: bool) -> tuple[int, int]:
         """(tokens to replay, blocks freed) if `pause(seq_id, keep_pinned)` ran now. Full blocks
@@ -195,7 +206,7 @@ class KVManager:
                 freed += 1
             elif self.pool.cache.is_cached(table[index]):
                 replay_tokens -= self.block_size
-        return replay_tokens, freed
+        return replay_tokens, freed + self.local.num_released_by(seq_id, keep)
 
     # ------------------------------------------------------------------ mutations
     def add_sequence(self, seq_id: int, pinned_tokens: int = 0, extra_keys: tuple = ()) -> None:
@@ -207,6 +218,7 @@ class KVManager:
         self._hashes[seq_id] = []
         self._pinned_tokens[seq_id] = pinned_tokens
         self._extra_keys[seq_id] = tuple(extra_keys)
+        self.local.add(seq_id)
 
     def adopt_prefix(self, seq_id: int, blocks: list[int]) -> int:
         """Append cached blocks from `match_prefix` to the table; returns the tokens they hold."""
@@ -214,12 +226,13 @@ class KVManager:
             return 0
         table = self._tables[seq_id]
         assert self._num_slots[seq_id] == len(table) * self.block_size, "adopt at a block boundary"
-        for block in blocks:
-            block_hash, _ = self.pool.cache.key(block)
+        keys = [self.pool.cache.key(block) for block in blocks]
+        for block, (block_hash, _) in zip(blocks, keys):
             self.pool.acquire(block)
             table.append(block)
             self._hashes[seq_id].append(block_hash)
         self._num_slots[seq_id] += len(blocks) * self.block_size
+        self.local.adopt(seq_id, len(table) - len(blocks), *map(list, zip(*keys)), self._num_slots[seq_id])
         self._note_peak()
         return len(blocks) * self.block_size
 
@@ -233,14 +246,15 @@ class KVManager:
         table = self._tables[seq_id]
         if self._needs_copy(seq_id, num_new_tokens):
             source, copy = table[-1], self.pool.take()
-            for cache in self.kv_caches:  # [2, Hkv, num_blocks, block_size, D]
-                cache[:, :, copy] = cache[:, :, source]
+            self.local.copy_page(source, copy)
             self.pool.release(source)
             table[-1] = copy
             self.num_cow_copies += 1
+            self.local.copy_last(seq_id)
         total = self._num_slots[seq_id] + num_new_tokens
         while len(table) < _blocks_for(total, self.block_size):
             table.append(self.pool.take())
+        self.local.grow(seq_id, len(table))
         self._num_slots[seq_id] = total
         self._note_peak()
         return True
@@ -253,12 +267,11 @@ class KVManager:
         `through_dropped`: blocks dropped before they were hashed (a layered prefill's middle,
         computed exactly but never resident) get their hash, not a cache entry."""
         hashes = self._hashes[seq_id]
-        full = min(num_computed_tokens, self._num_slots[seq_id]) // self.block_size
-        if not self.enable_prefix_caching or len(hashes) >= full:
-            return
+        computed = min(num_computed_tokens, self._num_slots[seq_id])
+        full = computed // self.block_size
         table, extra = self._tables[seq_id], self._extra_keys[seq_id]
         parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), full):
+        for index in range(len(hashes), full if self.enable_prefix_caching else 0):
             assert through_dropped or table[index] != DROPPED, \
                 f"seq {seq_id}: block {index} dropped before it was hashed"
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
@@ -266,7 +279,9 @@ class KVManager:
             hashes.append(parent)
             exact = approx_from is None or (index + 1) * self.block_size <= approx_from
             if exact and table[index] != DROPPED and not self.pool.cache.is_cached(table[index]):
-                self.pool.cache.insert(table[index], parent, tokens, before)
+                if self.pool.cache.insert(table[index], parent, tokens, before) and self.local.num_groups:
+                    self.local.index(seq_id, index, parent, tokens)
+        self.local.release_before(seq_id, self.local.first_needed(computed))  # no later query reads them
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """`child_id` shares every block of `parent_id` (n > 1 branches, beams)."""
@@ -278,6 +293,7 @@ class KVManager:
         self._num_slots[child_id] = self._num_slots[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
         self.importance.copy(parent_id, child_id)
+        self.local.fork(parent_id, child_id)
 
     def pause(self, seq_id: int, keep_pinned: bool = True) -> int:
         """Drop `seq_id`'s blocks past its pinned head (all of them when not `keep_pinned`).
@@ -291,6 +307,7 @@ class KVManager:
         kept_tokens = min(self._num_slots[seq_id], keep * self.block_size)
         self._num_slots[seq_id] = kept_tokens
         del self._hashes[seq_id][kept_tokens // self.block_size:]
+        self.local.cut(seq_id, keep, kept_tokens)
         dropped = self._dropped.get(seq_id, {})
         for index in [i for i in dropped if i >= keep]:
             self.tiers.forget(seq_id, index)
@@ -304,6 +321,9 @@ class KVManager:
         keep = min(len(self._tables.get(seq_id, ())), self.num_pinned_blocks(seq_id) if keep_pinned else 0)
         if seq_id in self.layered.active:
             keep = min(keep, self.layered.active[seq_id][0])
+        kept_tokens = min(self._num_slots.get(seq_id, 0), keep * self.block_size)
+        if not self.local.head_is_whole(seq_id, keep, kept_tokens):
+            return 0  # the local layers' window at the head's end is gone: recompute it all
         return keep
 
     def free(self, seq_id: int) -> None:
@@ -315,6 +335,7 @@ class KVManager:
             del state[seq_id]
         self._dropped.pop(seq_id, None)
         self.importance.forget(seq_id)
+        self.local.forget(seq_id)
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -346,12 +367,13 @@ class KVManager:
         for block in reversed(table[keep:]):
             self.pool.release(block)
         del table[keep:]
+        self.local.cut(seq_id, keep)
         self._num_slots[seq_id] = num_tokens
         del self._hashes[seq_id][num_tokens // self.block_size:]
 
     # ------------------------------------------------------------------ carried out by helpers
-    # Tier moves and dropped-range queries (kv/tiers.py), layered prefills (kv/layered.py);
-    # each keeps its helper's docstring.
+    # Tier moves and dropped-range queries (kv/tiers.py), layered prefills (kv/layered.py), the
+    # hybrid pool's local groups (kv/local_groups.py); each keeps its helper's docstring.
     dropped_blocks = _forward("tiers", TierMoves.dropped_blocks)
     cold_blocks = _forward("tiers", TierMoves.cold_blocks)
     cold_slots = _forward("tiers", TierMoves.cold_slots)
@@ -369,6 +391,7 @@ class KVManager:
     restore_room = _forward("tiers", TierMoves.restore_room)
     allocate_restore = _forward("tiers", TierMoves.allocate_restore)
     finish_restore = _forward("tiers", TierMoves.finish_restore)
+    num_blocks_projected = _forward("local", LocalGroups.num_blocks_projected)
     num_blocks_layered = _forward("layered", LayeredPrefills.num_blocks)
     begin_layered = _forward("layered", LayeredPrefills.begin)
     write_layer = _forward("layered", LayeredPrefills.write_layer)

@@ -34,6 +34,7 @@ class PrefixCache:
         self._block_by_hash: dict[int, int] = {}
         self._key_by_block: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._parent_by_hash: dict[int, int | None] = {}  # for KV events (engine/kv_events.py)
+        self._unlisted: set[int] = set()  # hashes of a hybrid pool's local pages (kv/local_groups.py)
         self.queries = 0      # blocks looked up
         self.hits = 0         # blocks found with matching tokens
         self.collisions = 0   # hash found, tokens differ
@@ -41,20 +42,22 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._key_by_block)
 
-    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
-        self.queries += 1
+    def lookup(self, block_hash: int, tokens: tuple[int, ...], count: bool = True) -> int | None:
+        """The block cached under `block_hash` holding `tokens`; `count`: in the hit counters."""
+        self.queries += count
         block = self._block_by_hash.get(block_hash)
         if block is None:
             return None
         if self._key_by_block[block][1] != tokens:
-            self.collisions += 1
+            self.collisions += count
             return None
-        self.hits += 1
+        self.hits += count
         return block
 
     def insert(self, block: int, block_hash: int, tokens: tuple[int, ...],
-               parent: int | None = None) -> bool:
-        """Index `block` (`parent`: the hash of the block before it, None for a first block).
+               parent: int | None = None, listed: bool = True) -> bool:
+        """Index `block` (`parent`: the hash of the block before it, None for a first block;
+        `listed`: among `entries`, the blocks the engine reports it holds).
         False when the hash is already taken (same content computed twice, or a collision): the
         first block keeps the entry, this one stays unindexed."""
         assert block not in self._key_by_block, f"block {block} is already cached"
@@ -63,6 +66,8 @@ class PrefixCache:
         self._block_by_hash[block_hash] = block
         self._key_by_block[block] = (block_hash, tokens)
         self._parent_by_hash[block_hash] = parent
+        if not listed:
+            self._unlisted.add(block_hash)
         return True
 
     def forget(self, block: int) -> None:
@@ -70,11 +75,18 @@ class PrefixCache:
         if key is not None:
             del self._block_by_hash[key[0]]
             del self._parent_by_hash[key[0]]
+            self._unlisted.discard(key[0])
 
     def entries(self):
-        """(hash, parent hash, tokens) of every cached block."""
+        """(hash, parent hash, tokens) of every cached block (listed ones)."""
         for block_hash, tokens in self._key_by_block.values():
-            yield block_hash, self._parent_by_hash[block_hash], tokens
+            if block_hash not in self._unlisted:
+                yield block_hash, self._parent_by_hash[block_hash], tokens
+
+    def is_listed(self, block: int) -> bool:
+        """Cached, and among `entries` (not a hybrid pool's local page)."""
+        key = self._key_by_block.get(block)
+        return key is not None and key[0] not in self._unlisted
 
     def is_cached(self, block: int) -> bool:
         return block in self._key_by_block
@@ -85,6 +97,7 @@ class PrefixCache:
     def check_integrity(self, block_size: int) -> None:
         assert len(self._block_by_hash) == len(self._key_by_block), "hash index and block keys differ"
         assert self._parent_by_hash.keys() == self._block_by_hash.keys(), "parent hashes and hash index differ"
+        assert self._unlisted <= self._block_by_hash.keys(), "unlisted hash not indexed"
         for block, (block_hash, tokens) in self._key_by_block.items():
             assert self._block_by_hash.get(block_hash) == block, f"block {block}: hash not indexed"
             assert len(tokens) == block_size, f"block {block}: cached with {len(tokens)} tokens"

@@ -109,6 +109,14 @@ class AttentionMetadata:
     observe_decode: bool = False
     decode_mass: torch.Tensor | None = None
     cold_mass: torch.Tensor | None = None
+    # A hybrid pool (kv/local_groups.py): each layer's group (None: global, the fields above),
+    # and per local group this step's metadata over that group's pages.
+    layer_groups: list[int | None] | None = None
+    local_groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        group = self.layer_groups[layer] if self.layer_groups else None
+        return self if group is None else self.local_groups[group]
 
 
 def decode_padding(context: torch.Tensor, width: int, num_kv: int) -> torch.Tensor:

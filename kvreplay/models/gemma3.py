@@ -10,9 +10,11 @@ What differs from the Llama family (models/llama.py), all of it read from the GG
 - local layers attend to their last `sliding_window` positions with RoPE base
   `rope_local_theta`; every global one attends to everything with base `rope_theta`.
 
-The cache layout is the engine's (every layer keeps every block). Local layers go through the
-PyTorch path with a window (layers/window.py); global layers' decode rows take the compiled
-decode kernel where the runner hands it over. No fused decode layer: decode_layer is Llama's.
+The cache is the engine's: every layer keeps every block, or under the hybrid pool
+(kv/local_groups.py) local layers keep their window's blocks only, in pages their group's table
+names (`meta.for_layer`). Local layers go through the PyTorch path with a window
+(layers/window.py); global layers' decode rows take the compiled decode kernel where the runner
+hands it over. No fused decode layer: decode_layer is Llama's.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ class Gemma3Model:
         hidden = self.embed(input_ids)  # [T, hidden]
         for index, kv_cache in enumerate(kv_caches):
             cos, sin = rope[self.rope_kinds[index]]
-            delta, hidden = self.layer(index, hidden, None, cos, sin, kv_cache, meta)
+            delta, hidden = self.layer(index, hidden, None, cos, sin, kv_cache, meta.for_layer(index))
             hidden = hidden + delta
         if logit_indices is not None:
             hidden = hidden[logit_indices]

@@ -303,7 +303,8 @@ class AsyncEngine:
             num_index_blocks=engine.kv.num_reserved_blocks, block_bytes=engine.kv.block_bytes,
             index_bytes=engine.kv.index_bytes, cold_bytes=engine.kv.cold_bytes,
             counters=dataclasses.asdict(engine.counters), request_stats=dict(self._stats_totals),
-            tier=engine.kv.tier_io.tier.snapshot() if engine.kv.tier_io is not None else {})
+            tier=engine.kv.tier_io.tier.snapshot() if engine.kv.tier_io is not None else {},
+            blocks_by_group=engine.kv.local.blocks_by_group())
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -35,6 +35,7 @@ class EngineSnapshot:
     counters: dict = field(default_factory=dict)        # EngineCounters fields
     request_stats: dict = field(default_factory=dict)   # RequestStats fields summed over finished seqs
     tier: dict = field(default_factory=dict)            # the session tier's SessionTier.snapshot(), if on
+    blocks_by_group: dict = field(default_factory=dict)  # layer group -> {"used", "cached"} blocks
 
 
 class Generation:

@@ -98,6 +98,14 @@ class _EngineCollector:
         blocks.add_metric(["reserved", "used"], snap.num_index_blocks)
         blocks.add_metric(["hot", "free"], snap.num_blocks - snap.num_used_blocks)
         yield blocks
+        groups = GaugeMetricFamily("kvreplay_kv_blocks_by_group",
+                                   "KV blocks per layer group (global: layers that keep every block; local: "
+                                   "a hybrid pool's sliding-window layers) and state (used, cached free)",
+                                   labels=["group", "state"])
+        for group, counts in snap.blocks_by_group.items():
+            for state, count in counts.items():
+                groups.add_metric([group, state], count)
+        yield groups
         yield GaugeMetricFamily("kvreplay_num_requests_running", "Sequences in the running batch",
                                 value=snap.num_running)
         yield GaugeMetricFamily("kvreplay_num_requests_waiting", "Sequences waiting to be scheduled",
