@@ -26,7 +26,8 @@ class FakeEngine:
     def __init__(self, crash_on_step: bool = False):
         self.crash_on_step = crash_on_step
         self.kv = SimpleNamespace(num_blocks=4, num_used_blocks=0, num_reserved_blocks=0, capacity_tokens=64,
-                                  block_bytes=16, index_bytes=0, cold_bytes=0, tier_io=None)
+                                  block_bytes=16, index_bytes=0, cold_bytes=0, tier_io=None,
+                                  local=SimpleNamespace(blocks_by_group=lambda: {"global": {"used": 0, "cached": 0}}))
         self.counters = EngineCounters()
         self.requests: dict[str, tuple[object, list[int]]] = {}
         self.num_waiting = 0
