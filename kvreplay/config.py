@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreplay.kv.policy import PAUSE_MODES, POLICIES, TRIM_MODES, TRIM_ORDERS, Watermarks
+from kvreplay.kv.policy import PAUSE_MODES, POLICIES, REPLAY_HOLDS, TRIM_MODES, TRIM_ORDERS, Watermarks
 from kvreplay.kv.quant import KINDS as COLD_KINDS
 from kvreplay.kv.session_tier import TIER_CHOICES, check_tier_dir, parse_budget
 from kvreplay.validate import (applying, boolean, check_choice, check_int, check_knobs, check_number, ints, knob,
@@ -201,6 +201,14 @@ class EngineConfig:
               "fact took where it is copied and the largest share plain text gave one block (0.61 "
               "on SmolLM2-135M; 0.65 where no pass runs)",
         type=number_or_auto, check=check_replay_threshold)
+    replay_hold: str = knob(
+        "middle", "replay with a resident_ratio: what stays hot after a need-replay. middle: the "
+                  "whole replayed middle for 32 steps (cutting at once let the detector fire "
+                  "again at the next token); judged: only the blocks the detector asked for (cut "
+                  "last from then on): the rest is cut back to the ratio once the redone token is "
+                  "out, and the probe skips what that cut took for 32 steps (the redone step read "
+                  "it exactly). With replay_threshold 0 always middle",
+        choices=REPLAY_HOLDS, check=one_of(REPLAY_HOLDS))
     need_top_blocks: int = knob(
         8, "replay: dropped blocks per KV head the need detector scores from the key index (the "
            "Quest bound picks them)", check=ints(1))

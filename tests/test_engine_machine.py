@@ -92,16 +92,17 @@ class EngineMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ setup
     @initialize(policy=st.sampled_from(POLICIES), memory=st.sampled_from(MEMORIES),
                 block_size=st.sampled_from((8, 16)), ratio=st.sampled_from((None, 0.25, 0.5, 0.5)),
-                threshold=st.sampled_from((0.65, 0.2)),
+                threshold=st.sampled_from((0.65, 0.2)), hold=st.sampled_from(("judged", "middle")),
                 trim=st.sampled_from(("admission", "pressure", "prefill")), caching=st.booleans(),
                 layered=st.booleans(), batched=st.sampled_from((32, 64, 256)), max_seqs=st.sampled_from((2, 4, 8)))
-    def build(self, policy, memory, block_size, ratio, threshold, trim, caching, layered, batched, max_seqs):
+    def build(self, policy, memory, block_size, ratio, threshold, trim, caching, layered, batched, max_seqs,
+              hold="middle"):
         if policy in ("snapkv", "h2o") and ratio is None:
             ratio = 0.5
         self.llm = LLM(model=self.model, dtype="float32", kv_cache_memory=memory, block_size=block_size,
                        policy=policy, resident_ratio=ratio, trim=trim, enable_prefix_caching=caching,
                        layered_prefill=layered, window_tokens=32, max_num_batched_tokens=batched,
-                       max_num_seqs=max_seqs, replay_threshold=threshold, seed=0)
+                       max_num_seqs=max_seqs, replay_threshold=threshold, replay_hold=hold, seed=0)
         self.engine = self.llm.engine
         self.capacity = min(self.engine.kv.capacity_tokens, MAX_CONTEXT)
 
@@ -276,7 +277,7 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in scheduler.running:
             if seq.num_uncomputed_tokens != 1 or seq.beam is not None:
                 continue
-            replayed_lately = reclaim.replayed_lately(seq, scheduler.num_steps)
+            replayed_lately = scheduler.replay.holds_middle(seq, scheduler.num_steps)
             # (a capping preset leaves a sequence that replayed lately uncut, sliding or not:
             # its heavy hitters stay hot until then)
             every_step = (not replayed_lately and not scheduler.replay.wants_replay(seq)) \

@@ -254,10 +254,10 @@ def test_resident_ratio_caps_each_decoding_sequence(corpus):
 
 def test_resident_ratio_waits_after_a_replay_instead_of_replaying_every_token(corpus, llm32):
     """Always-replay (threshold 0) with a resident cap: the replayed middle is kept for
-    RETRIM_AFTER_STEPS steps, so 12 tokens cost one replay (trimming right after the redone step
+    HOLD_STEPS steps, so 12 tokens cost one replay (trimming right after the redone step
     made the detector fire again at every token) and the output equals full's exactly."""
-    from kvreplay.engine.reclaim import RETRIM_AFTER_STEPS
-    assert RETRIM_AFTER_STEPS > 12
+    from kvreplay.engine.replay import HOLD_STEPS
+    assert HOLD_STEPS > 12
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", policy="replay", trim="prefill", window_tokens=128,
               replay_threshold=0.0, resident_ratio=0.3, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -56,7 +56,7 @@ class LLMEngine:
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
                                    layered_work=partial(layered_work_bytes, cfg, config.block_size, config.torch_dtype,
                                                         self.kv_bytes_per_token) if config.layered_prefill else None,
-                                   replay_threshold=replay_threshold)
+                                   replay_threshold=replay_threshold, replay_hold=config.replay_hold)
         self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
                                   need_layers=need_layers,
                                   need_top_blocks=config.need_top_blocks,

@@ -274,6 +274,8 @@ class ModelRunner:
         rows, slot_lists = [], []
         for row, seq in enumerate(decodes):
             entries = self.kv.indexed_blocks(seq.seq_id)
+            if seq.replay.cleared:  # cut after a replay that read them: not probed (engine/replay.py)
+                entries = [entry for entry in entries if entry[0] not in seq.replay.cleared]
             if entries:
                 rows.append(row)
                 slot_lists.append([slot for _, slot in entries])

@@ -23,12 +23,10 @@ of the `heavy_tokens` most attended middle blocks. The KV manager carries out ev
 """
 from __future__ import annotations
 
-from kvreplay.engine.replay import ReplayTracker
+from kvreplay.engine.replay import HOLD_STEPS, ReplayTracker
 from kvreplay.engine.sequence import Sequence
 from kvreplay.kv import KVManager
 from kvreplay.kv.policy import KVPolicy, middle_block_range, quest_selection, recent_window_tokens
-
-RETRIM_AFTER_STEPS = 32  # steps after its last replay before resident_ratio trims a sequence again
 
 
 class Reclaimer:
@@ -148,13 +146,13 @@ class Reclaimer:
         up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
         order, for it. Returns the blocks freed (0 under the other trim modes).
 
-        A sequence that replayed in the last `RETRIM_AFTER_STEPS` steps is left alone, as by the
-        ratio cap: a request the trim still does not let in (its prefix hits are the very
+        A sequence the ratio cap holds after a replay (ReplayTracker.holds_middle) is left
+        alone: a request the trim still does not let in (its prefix hits are the very
         blocks the trim frees, say) would otherwise have it replay, be trimmed and replay
         again at every step without decoding a token."""
         if self.trim != "admission" or not (self.policy.drops_middle and self.policy.trims_under_pressure):
             return 0
-        spared = {seq.seq_id for seq in self.running if self.replayed_lately(seq, step)}
+        spared = {seq.seq_id for seq in self.running if self.replay.holds_middle(seq, step)}
         # Drop nothing unless it lets the request in: a partial trim would only cost quality.
         per_block = self.kv.bytes_freed_by_drop(False, self.policy.keeps_key_index) / self.kv.block_bytes
         middles = sum(len(self.middle(seq)) for seq in self.running
@@ -164,11 +162,6 @@ class Reclaimer:
         used = self.kv.num_used_blocks
         self.trim_for_room(0, exclude=spared, target_used=used - num_blocks)
         return used - self.kv.num_used_blocks
-
-    @staticmethod
-    def replayed_lately(seq: Sequence, step: int) -> bool:
-        """Whether `seq` replayed in the last RETRIM_AFTER_STEPS steps (its middle stays)."""
-        return seq.replay.last_step >= 0 and step - seq.replay.last_step <= RETRIM_AFTER_STEPS
 
     def _trimmable(self, seq: Sequence) -> bool:
         """Not replaying, no prefill chunk in this batch, and, while it prefills, only when
@@ -181,6 +174,11 @@ class Reclaimer:
         """Cold blocks leave the cold tier: dropped (their keys kept in the key index)."""
         self.kv.drop_cold(seq.seq_id, indices, keep_index=self.policy.keeps_key_index)
         seq.stats.dropped_tokens += len(indices) * self.kv.block_size
+
+    def _evict_middle(self, seq: Sequence) -> None:
+        blocks = self.middle(seq)
+        if blocks:
+            self._evict(seq, blocks)
 
     def _evict(self, seq: Sequence, block_indices: list[int]) -> None:
         """Hot middle blocks leave the hot tier: demoted to cold, or dropped."""
@@ -208,14 +206,14 @@ class Reclaimer:
         elif self.policy.drops_middle and self.trim == "prefill":
             targets = [seq for seq in prefilled if seq in self.running]
         for seq in targets:
-            blocks = self.middle(seq)
-            if blocks:
-                self._evict(seq, blocks)
+            self._evict_middle(seq)
         if self.resident_ratio is not None and self.policy.caps_each_step:
             for seq in self.running:  # the step is done: a chunk that just ran is safe to trim
                 if seq.num_uncomputed_tokens == 1 and not self.replay.wants_replay(seq) \
-                        and not self.replayed_lately(seq, step):
-                    self._fit_ratio(seq)
+                        and not self.replay.holds_middle(seq, step):
+                    self._fit_ratio(seq, step)
+        for seq in self.running:
+            self.replay.step_done(seq, step)
 
     def cut_parked(self, seq: Sequence) -> None:
         """A kept session parks as its policy leaves a decoding sequence after a step: cut to
@@ -228,17 +226,15 @@ class Reclaimer:
         if self.resident_ratio is not None and (self.selects_at_prefill or self.policy.caps_each_step):
             self._fit_ratio(seq)
         elif self.policy.slides or (self.policy.drops_middle and self.trim == "prefill"):
-            blocks = self.middle(seq)
-            if blocks:
-                self._evict(seq, blocks)
+            self._evict_middle(seq)
 
-    def _fit_ratio(self, seq: Sequence) -> None:
+    def _fit_ratio(self, seq: Sequence, step: int | None = None) -> None:
         """Drop `seq`'s middle blocks until its resident KV (hot + cold + key index) is within
         `resident_ratio` of the blocks `full` would hold for it: the hot middle least important
         first, then cold blocks, then the heavy hitters (they count inside the ratio, so a
-        policy with them keeps no more than one without). A sequence that replayed in the last
-        `RETRIM_AFTER_STEPS` steps keeps its replayed middle: trimming it at once let the need
-        detector fire again at the next step, one replay per token."""
+        policy with them keeps no more than one without), then the blocks the need detector
+        judged needed (replay_hold="judged"). After a need-replay the caller waits as
+        ReplayTracker.holds_middle says."""
         kv = self.kv
         # (the slack: r x n landing a hair under a whole number of blocks, as in ratio_blocks)
         limit = (self.resident_ratio * -(-seq.num_computed_tokens // kv.block_size) + 1e-9) * kv.block_bytes
@@ -246,10 +242,12 @@ class Reclaimer:
         if excess <= 0:
             return
         light, heavy = self._middle_split(seq)
-        order = [self._order(seq, light, 0)]
+        judged = seq.replay.kept
+        order = [self._order(seq, [i for i in light if i not in judged], 0)]
         if self.policy.demotes:
             order.append(self._order(seq, kv.cold_blocks(seq.seq_id), 1))
-        order.append(self._order(seq, heavy, 0))
+        order.append(self._order(seq, [i for i in heavy if i not in judged], 0))
+        order.append(self._order(seq, [i for i in light + heavy if i in judged], 0))
         keep_index = self.policy.keeps_key_index
         chosen: tuple[list[int], list[int]] = ([], [])  # hot, cold table indices
         for group in order:
@@ -263,3 +261,4 @@ class Reclaimer:
         kv.drop(seq.seq_id, chosen[0], keep_index=keep_index)
         seq.stats.dropped_tokens += len(chosen[0]) * kv.block_size
         self._drop_cold(seq, chosen[1])
+        self.replay.cut_after_replay(seq, chosen[0] + chosen[1], step)

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 from kvreplay.engine.sequence import Sequence
 from kvreplay.kv import KVManager
+from kvreplay.kv.policy import REPLAY_HOLDS
 
 logger = logging.getLogger(__name__)
+
+HOLD_STEPS = 32  # steps after a need-replay while its replayed middle (or its cut) is held
 
 
 @dataclass
@@ -28,8 +31,12 @@ class NeedOutcome:
 
 class ReplayTracker:
     def __init__(self, kv: KVManager, approx_prefill: bool = False, threshold: float = 0.65,
-                 replayable: bool = True):
+                 replayable: bool = True, hold: str = "middle"):
+        assert hold in REPLAY_HOLDS, hold
         self.kv = kv
+        # after a need-replay, what a resident_ratio cut spares: the whole replayed middle for
+        # HOLD_STEPS steps, or (threshold > 0) only the blocks the detector judged needed
+        self.hold_judged = hold == "judged" and threshold > 0
         self.approx_prefill = approx_prefill  # prefill chunks attend to what is resident instead
         self.replayable = replayable          # False: dropped means evicted for good (snapkv, h2o, window)
         self.threshold = threshold            # need share above which a dropped block comes back
@@ -55,6 +62,31 @@ class ReplayTracker:
         if until not in dropped:
             return []
         return [index for index in dropped if index <= until]
+
+    def holds_middle(self, seq: Sequence, step: int) -> bool:
+        """Whether a resident_ratio cut must leave `seq` alone at `step`: it replayed in the last
+        HOLD_STEPS steps (hold "middle": cutting right after the redone step let the detector
+        fire again at the next one, a replay per token), or (hold "judged") a block it asked
+        for has not been read by a committed token yet."""
+        if self.hold_judged:
+            return bool(seq.replay.judged)
+        return self._within_hold(seq, step)
+
+    @staticmethod
+    def _within_hold(seq: Sequence, step: int) -> bool:
+        return seq.replay.last_step >= 0 and step - seq.replay.last_step <= HOLD_STEPS
+
+    def cut_after_replay(self, seq: Sequence, indices: list[int], step: int | None) -> None:
+        """Hold "judged": blocks a ratio cut took within HOLD_STEPS steps of a need-replay were
+        just read exactly by the redone step and judged not needed: the probe skips them
+        until the hold ends, so the detector's overestimates cannot replay them again."""
+        if self.hold_judged and step is not None and self._within_hold(seq, step):
+            seq.replay.cleared.update(indices)
+
+    def step_done(self, seq: Sequence, step: int) -> None:
+        """The hold of `seq`'s last need-replay is over: its cut blocks may be probed again."""
+        if seq.replay.cleared and not self._within_hold(seq, step):
+            seq.replay.cleared.clear()
 
     def replayed_tokens(self, seq: Sequence, start: int, end: int) -> int:
         """Of positions [start, end) now computed, those that had been computed before a pause."""
@@ -110,6 +142,8 @@ class ReplayTracker:
         resume is replay."""
         seq.replay.end = max(seq.replay.end, computed)
         seq.approx_from = None  # whatever it recomputes is computed with everything before it
+        seq.replay.kept.clear()
+        seq.replay.cleared.clear()
         self.end(seq)
         if self.loader is not None:
             self.loader.forget(seq)
@@ -136,6 +170,8 @@ class ReplayTracker:
                 seq.replay.until = outcome.flagged if self.threshold > 0 else None
                 seq.replay.needed = True
                 seq.replay.judged.add(outcome.flagged)
+                if self.hold_judged:
+                    seq.replay.kept.add(outcome.flagged)
         return fired
 
     def token_committed(self, seq: Sequence) -> None:

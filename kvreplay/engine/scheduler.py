@@ -51,7 +51,8 @@ class Scheduler:
                  window_tokens: int = 512, trim: str = "pressure", approx_prefill: bool = False,
                  heavy_tokens: int = 0, trim_order: str = "importance",
                  resident_ratio: float | None = None, num_layers: int = 1,
-                 layered_work: Callable[[int, int], int] | None = None, replay_threshold: float = 0.65):
+                 layered_work: Callable[[int, int], int] | None = None, replay_threshold: float = 0.65,
+                 replay_hold: str = "middle"):
         self.kv = kv
         # Layered prefill (None: off): working bytes of computing positions [start, end) layer
         # by layer, and the model's layer count.
@@ -67,7 +68,7 @@ class Scheduler:
         self.block_bytes = block_bytes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold, policy.keeps_key_index)
+        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold, policy.keeps_key_index, replay_hold)
         self.reclaim = Reclaimer(kv, policy, self.replay, self.running, window_tokens, trim,
                                  heavy_tokens, trim_order, resident_ratio)
 

@@ -29,6 +29,8 @@ class ReplayState:
     active: bool = False         # a replay of dropped ranges is under way (counted once)
     last_step: int = -1          # scheduler step of the last replay: trimmed last under pressure
     judged: set[int] = field(default_factory=set)  # blocks the detector asked for since the last token
+    kept: set[int] = field(default_factory=set)    # replay_hold="judged": blocks it ever asked for
+    cleared: set[int] = field(default_factory=set)  # ... and those cut after its replay: not probed
 
 
 @dataclass

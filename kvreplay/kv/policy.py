@@ -77,6 +77,7 @@ def pause_cost(dropped_tokens: int, freed_bytes: int) -> float:
 # ---------------------------------------------------------------------- presets (docs/architecture.md §6)
 TRIM_MODES = ("admission", "prefill", "pressure")
 TRIM_ORDERS = ("importance", "oldest")
+REPLAY_HOLDS = ("judged", "middle")  # what a resident_ratio cut spares after a need-replay
 
 
 @dataclass(frozen=True)
