@@ -265,3 +265,39 @@ def test_resident_ratio_waits_after_a_replay_instead_of_replaying_every_token(co
     out = llm.generate(prompt, params, on_step=_check(llm)).outputs[0]
     assert out.stats.dropped_tokens > 500 and out.stats.replays == 1, out.stats
     assert out.token_ids == llm32.generate(prompt, params).outputs[0].token_ids
+
+
+def test_replay_hold_judged_cuts_back_to_the_ratio_once_the_redone_token_is_out(corpus, llm32):
+    """replay_hold="judged": after a need-replay only the judged block stays beside the ratio's
+    choice. At r=0.3 with threshold 0.3 on this prompt the detector fires once (block 51); the
+    whole middle is back while the step is redone, then the sequence is cut to the ratio again
+    with block 51 hot, the probe skips what the cut took, and no second replay follows. Measured:
+    the 24 greedy tokens equal full's, as with the "middle" hold, which stays at 1.0 resident."""
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", policy="replay", trim="prefill", window_tokens=128,
+              replay_threshold=0.3, resident_ratio=0.3, replay_hold="judged", enable_prefix_caching=False)
+    engine = llm.engine
+    reclaim, replay = engine.scheduler.reclaim, engine.scheduler.replay
+    seen = []  # (resident share, judged blocks, cleared blocks, replays, held) per decoding step
+
+    def on_step(*_):
+        engine.check_integrity()
+        for seq in engine.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                held = replay.holds_middle(seq, engine.scheduler.num_steps) or replay.wants_replay(seq)
+                seen.append((reclaim.resident_share(seq), set(seq.replay.kept), set(seq.replay.cleared),
+                             seq.stats.replays, held))
+                if seq.replay.kept and not held:
+                    dropped = set(engine.kv.dropped_blocks(seq.seq_id))
+                    assert not seq.replay.kept & dropped, "a judged block was cut"
+                    assert seq.replay.cleared <= dropped, "the probe skips only blocks the cut took"
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = corpus[9000:10000]
+    out = llm.generate(prompt, params, on_step=on_step).outputs[0]
+    assert out.stats.replays == 1, out.stats
+    fired = [row for row in seen if row[1]]
+    assert fired and any(row[4] for row in fired), seen  # held while the replayed step is redone
+    after = [row for row in fired if not row[4]]
+    assert len(after) >= 10 and all(share <= 0.3 + 1e-6 and cleared for share, _, cleared, _, _ in after), after
+    assert max(share for share, *_ in seen) == 1.0  # the whole middle came back for the redone step
+    assert out.token_ids == llm32.generate(prompt, params).outputs[0].token_ids
