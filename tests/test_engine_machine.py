@@ -425,13 +425,14 @@ def test_a_continued_session_whose_dropped_blocks_all_come_back_from_the_cache_p
     state.teardown()  # drains every request, checking each step
 
 
-def test_admission_does_not_trim_a_sequence_that_just_replayed_for_a_request_it_cannot_admit(tiny_model):
+@pytest.mark.parametrize("hold", ["middle", "judged"])
+def test_admission_does_not_trim_a_sequence_that_just_replayed_for_a_request_it_cannot_admit(tiny_model, hold):
     """Found by the state machine: under replay with trim="admission", three branches of one
     prompt, two of them paused; trimming the decoding one's middle for a paused sibling freed
     the very blocks the sibling's prefix hits would adopt back, so it was never admitted. Each
     step the decoding branch took its judged block back from the prefix cache, lost it to the
     next admission trim and had the detector fire again: no token for thousands of steps."""
-    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.5,
+    state = _built_machine(tiny_model, hold=hold, policy="replay", memory="128KiB", block_size=16, ratio=0.5,
                            threshold=0.2, trim="admission", caching=True, layered=False, batched=32,
                            max_seqs=2)
     state.add(beam=1, ignore_eos=False, keep=True, length=82, max_tokens=4, n=3, protected=0, seeded=True,
@@ -447,13 +448,14 @@ def test_admission_does_not_trim_a_sequence_that_just_replayed_for_a_request_it_
     state.teardown()  # drains every request within its bound, checking each step
 
 
-def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_that_token(tiny_model):
+@pytest.mark.parametrize("hold", ["middle", "judged"])
+def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_that_token(tiny_model, hold):
     """Found by the state machine: a lone sequence filling the pool under replay (layered
     prefill, r=0.25). Its need-replay brought back the judged block with everything cached
     before it, which put the pool over the high watermark; the next step's pressure trim took
     the judged block again before the redone decode read it, the detector asked for it again,
     and so on: no token for thousands of steps. A block is now asked for once per token."""
-    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
+    state = _built_machine(tiny_model, hold=hold, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
                            threshold=0.2, trim="admission", caching=True, layered=True, batched=32, max_seqs=2)
     state.add(beam=1, ignore_eos=False, keep=False, length=268, max_tokens=30, n=1, protected=20, seeded=True,
               shared=64, stop="the", temperature=0.0)
@@ -472,12 +474,13 @@ def test_a_block_taken_again_before_its_redone_step_is_not_replayed_again_for_th
     state.teardown()  # drains every request within its bound, checking each step
 
 
-def test_a_lone_sequence_whose_replay_finds_no_room_is_recomputed_whole(tiny_model):
+@pytest.mark.parametrize("hold", ["middle", "judged"])
+def test_a_lone_sequence_whose_replay_finds_no_room_is_recomputed_whole(tiny_model, hold):
     """Found by the state machine: under replay at r=0.25 with forced needs, a lone sequence whose
     own hot blocks and key index filled the pool was asked to replay a run it had no room for;
     nothing could be trimmed or paused for it, so the step scheduled nothing. It now pauses
     itself and resumes by recomputing, as `full` does when a lone sequence outgrows the pool."""
-    state = _built_machine(tiny_model, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
+    state = _built_machine(tiny_model, hold=hold, policy="replay", memory="128KiB", block_size=16, ratio=0.25,
                            threshold=0.2, trim="admission", caching=True, layered=False, batched=32,
                            max_seqs=2)
     state.force_need()

@@ -146,13 +146,13 @@ class Reclaimer:
         up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
         order, for it. Returns the blocks freed (0 under the other trim modes).
 
-        A sequence the ratio cap holds after a replay (ReplayTracker.holds_middle) is left
-        alone: a request the trim still does not let in (its prefix hits are the very
+        A sequence that replayed in the last HOLD_STEPS steps is left alone, whatever
+        replay_hold says for the ratio cap: a request the trim still does not let in (its prefix hits are the very
         blocks the trim frees, say) would otherwise have it replay, be trimmed and replay
         again at every step without decoding a token."""
         if self.trim != "admission" or not (self.policy.drops_middle and self.policy.trims_under_pressure):
             return 0
-        spared = {seq.seq_id for seq in self.running if self.replay.holds_middle(seq, step)}
+        spared = {seq.seq_id for seq in self.running if self.replay.replayed_lately(seq, step)}
         # Drop nothing unless it lets the request in: a partial trim would only cost quality.
         per_block = self.kv.bytes_freed_by_drop(False, self.policy.keeps_key_index) / self.kv.block_bytes
         middles = sum(len(self.middle(seq)) for seq in self.running

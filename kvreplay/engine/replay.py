@@ -64,28 +64,29 @@ class ReplayTracker:
         return [index for index in dropped if index <= until]
 
     def holds_middle(self, seq: Sequence, step: int) -> bool:
-        """Whether a resident_ratio cut must leave `seq` alone at `step`: it replayed in the last
-        HOLD_STEPS steps (hold "middle": cutting right after the redone step let the detector
-        fire again at the next one, a replay per token), or (hold "judged") a block it asked
-        for has not been read by a committed token yet."""
+        """Whether the resident_ratio cap must leave `seq` alone at `step`: it replayed in the
+        last HOLD_STEPS steps (hold "middle": cutting right after the redone step let the
+        detector fire again at the next one, a replay per token), or (hold "judged") a block it
+        asked for has not been read by a committed token yet."""
         if self.hold_judged:
             return bool(seq.replay.judged)
-        return self._within_hold(seq, step)
+        return self.replayed_lately(seq, step)
 
     @staticmethod
-    def _within_hold(seq: Sequence, step: int) -> bool:
+    def replayed_lately(seq: Sequence, step: int) -> bool:
+        """Whether `seq` replayed in the last HOLD_STEPS steps."""
         return seq.replay.last_step >= 0 and step - seq.replay.last_step <= HOLD_STEPS
 
     def cut_after_replay(self, seq: Sequence, indices: list[int], step: int | None) -> None:
         """Hold "judged": blocks a ratio cut took within HOLD_STEPS steps of a need-replay were
         just read exactly by the redone step and judged not needed: the probe skips them
         until the hold ends, so the detector's overestimates cannot replay them again."""
-        if self.hold_judged and step is not None and self._within_hold(seq, step):
+        if self.hold_judged and step is not None and self.replayed_lately(seq, step):
             seq.replay.cleared.update(indices)
 
     def step_done(self, seq: Sequence, step: int) -> None:
         """The hold of `seq`'s last need-replay is over: its cut blocks may be probed again."""
-        if seq.replay.cleared and not self._within_hold(seq, step):
+        if seq.replay.cleared and not self.replayed_lately(seq, step):
             seq.replay.cleared.clear()
 
     def replayed_tokens(self, seq: Sequence, start: int, end: int) -> int:

@@ -63,15 +63,15 @@ class TierLoader:
             found[where] = found.get(where, 0) + self.tier.block_bytes
         return found
 
-    def _decide(self, seq: Sequence, hashes: list[int]) -> int:
-        """How many blocks at the head of the run `hashes` to recompute (0: load all); the
-        recompute choice is counted."""
-        head = self.costs.head_blocks(len(hashes), self.costs.predict_load(self._bytes_by_tier(hashes)),
-                                      self.kv.block_size)
+    def _decide(self, seq: Sequence, hashes: list[int]) -> tuple[int, dict]:
+        """How many blocks at the head of the run `hashes` to recompute (0: load all), and the
+        run's bytes per tier; the recompute choice is counted."""
+        by_tier = self._bytes_by_tier(hashes)
+        head = self.costs.head_blocks(len(hashes), self.costs.predict_load(by_tier), self.kv.block_size)
         counted = self._recomputing.setdefault(seq, set())
         seq.stats.tier_recomputed_tokens += len(set(hashes[:head]) - counted) * self.kv.block_size
         counted.update(hashes[:head])
-        return head
+        return head, by_tier
 
     def _read_tail(self, seq: Sequence, hashes: list[int], tokens: list[tuple[int, ...]], **where) -> None:
         by_tier = self._bytes_by_tier(hashes)
@@ -116,7 +116,7 @@ class TierLoader:
         hashes = self.kv.tier_io.match(seq.seq_id, seq.token_ids)
         if not hashes:
             return 0
-        head = self._decide(seq, hashes)
+        head, by_tier = self._decide(seq, hashes)
         if head == len(hashes):
             return 0
         block_size, start = self.kv.block_size, self.kv.num_slots(seq.seq_id)  # (after the prefix hit)
@@ -128,7 +128,6 @@ class TierLoader:
             return 0
         if self.kv.num_blocks_needed(seq.seq_id, len(hashes) * block_size) > self.kv.num_free_blocks:
             return 0
-        by_tier = self._bytes_by_tier(hashes)
         started = time.perf_counter()
         loaded = self.kv.tier_io.load_prefix(seq.seq_id, seq.token_ids, len(hashes))
         self._count(seq, by_tier, self.costs.predict_load(by_tier), started, loaded)
@@ -161,7 +160,7 @@ class TierLoader:
         if not indices:
             return []
         hashes = self.kv.tier_io.hashes(seq.seq_id, indices)
-        head = self._decide(seq, hashes)
+        head, by_tier = self._decide(seq, hashes)
         if head == len(indices):
             return []
         block_size = self.kv.block_size
@@ -169,7 +168,6 @@ class TierLoader:
             self._read_tail(seq, hashes[head:], [tuple(seq.token_ids[i * block_size:(i + 1) * block_size])
                                                  for i in indices[head:]], indices=indices[head:])
             return []
-        by_tier = self._bytes_by_tier(hashes)
         started = time.perf_counter()
         restored, mismatches = self.kv.tier_io.restore(seq.seq_id, seq.token_ids, indices)
         seq.stats.replay_mismatches += mismatches
