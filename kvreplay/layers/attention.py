@@ -81,6 +81,7 @@ class ColdAttention:
     pool: "ColdPool"
     budget_blocks: int | None
     dense_layers: int = 0
+    quest_bound: Callable | None = None  # the Triton Quest bound (kernels/triton_sparse.py), else torch
     layer: int = 0
     selected_blocks: int = 0   # cold blocks attended, summed over layers and KV heads
     candidate_blocks: int = 0  # cold blocks that could have been
@@ -100,6 +101,9 @@ class AttentionMetadata:
     # The compiled causal attention for prefill chunks whose earlier positions are all resident
     # (bf16 on a CPU with AVX512-BF16; kvreplay.kernels.cpu_kernels.prefill_attention); else SDPA.
     prefill_kernel: Callable | None = None
+    # The Triton prefill attention (kernels/triton_attention.py): chunks of plain causal attention
+    # read the paged cache in place (not local layers, not chunks observed for importance).
+    paged_prefill: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
@@ -157,6 +161,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             result = F.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0),
                                                     attn_mask=mask, scale=scale, enable_gqa=True)
             out[rows] = result.squeeze(0).transpose(0, 1)
+            continue
+        if meta.paged_prefill is not None and chunk.causal_from is not None and not chunk.observe:
+            out[rows] = meta.paged_prefill(q[rows], key_cache, value_cache, chunk.block_table,
+                                           chunk.context_tokens, chunk.causal_from, scale)
             continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, C, D]
@@ -344,12 +352,15 @@ def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs
         cold.selected_blocks += int(valid.sum()) * num_kv
     else:
         lo, hi = cold.pool.summaries(layer)                                       # [Hkv, S, D]
-        flat = table.flatten()
-        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
         q = query.view(num_kv, num_seqs, group, head_dim).float()
-        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
-        bound.masked_fill_(~heads_valid, float("-inf"))
+        if cold.quest_bound is not None:  # read through the slot table in place: [B, Hkv, N]
+            bound = cold.quest_bound(q.transpose(0, 1), lo, hi, table, valid).transpose(0, 1)
+        else:
+            flat = table.flatten()
+            lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+            hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+            bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)          # [Hkv, B, N]
+            bound.masked_fill_(~heads_valid, float("-inf"))
         top = bound.topk(cold.budget_blocks, dim=-1).indices                      # [Hkv, B, k]
         slots = table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top)         # [Hkv, B, k]
         picked_valid = heads_valid.gather(2, top)
