@@ -231,3 +231,17 @@ def test_need_block_mass_matches_the_key_index_torch_path(group, top_blocks):
     torch.testing.assert_close(ours[0], ref[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(ours[1], ref[1])
     assert (ref[0] > 0.01).all()  # the figures compared are not vanishing ones
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU engine tests (bench/gpu_check.sh step 6) cover the GPU engine")
+def test_engine_generates_the_same_tokens_with_the_triton_backend(llm32):
+    """A greedy fp32 generation through the interpreted kernels (prefill chunks and decode steps)
+    gives the torch backend's tokens: one prompt within a block, one crossing two."""
+    from kvreplay import LLM, SamplingParams
+    prompts = ["The capital of France is",
+               "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    triton_llm = LLM(dtype="float32", kv_cache_memory="16MiB", attention_backend="triton")
+    assert triton_llm.engine.runner.decode_kernel is OPS.decode_attention
+    ours = [out.token_ids for out in triton_llm.generate(prompts, params)]
+    assert ours == [out.token_ids for out in llm32.generate(prompts, params)]
