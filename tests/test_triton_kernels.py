@@ -245,3 +245,24 @@ def test_engine_generates_the_same_tokens_with_the_triton_backend(llm32):
     assert triton_llm.engine.runner.decode_kernel is OPS.decode_attention
     ours = [out.token_ids for out in triton_llm.generate(prompts, params)]
     assert ours == [out.token_ids for out in llm32.generate(prompts, params)]
+
+
+def test_cold_selection_through_the_kernel_picks_the_torch_paths_blocks():
+    """The sparse path's choice of cold blocks (_cold_blocks) with the Triton Quest bound reads
+    the same blocks per KV head as with block_upper_bound on the gathered summaries."""
+    from kvreplay.kv.cold_pool import ColdPool
+    from kvreplay.layers.attention import ColdAttention, _cold_blocks
+    num_kv, group, block_size, head_dim, rows = 2, 3, 16, 64, 3
+    pool = ColdPool(1, num_kv, block_size, head_dim, "int8", device=DEVICE, initial_slots=4)
+    gen = _gen(41)
+    keys = torch.randn(1, num_kv, 9, block_size, head_dim, generator=gen) + torch.randn(head_dim, generator=gen)
+    pool.add(keys.to(DEVICE), torch.randn(keys.shape, generator=gen).to(DEVICE))
+    table, valid = _slot_table(rows, 6, 9, seed=42)
+    query = torch.randn(num_kv * rows, group, head_dim, generator=gen).to(DEVICE)  # [Hkv*B, G, D]
+    results = []
+    for bound in (None, OPS.quest_bound):
+        cold = ColdAttention(table, valid, pool, budget_blocks=2, quest_bound=bound)
+        results.append(_cold_blocks(cold, query, num_kv, rows, group))
+    (ref_k, ref_v, ref_valid, ref_top), (k, v, picked_valid, top) = results
+    assert torch.equal(top, ref_top) and torch.equal(picked_valid, ref_valid)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
