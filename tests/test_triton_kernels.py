@@ -233,18 +233,48 @@ def test_need_block_mass_matches_the_key_index_torch_path(group, top_blocks):
     assert (ref[0] > 0.01).all()  # the figures compared are not vanishing ones
 
 
+ENGINE_CASES = {  # policy -> knobs: which kernels a run reaches besides decode and prefill attention
+    "full": {},
+    "replay": {"trim": "prefill", "resident_ratio": 0.3, "need_layers": "all", "replay_threshold": 0.3,
+               "heavy_tokens": 0},                                 # the need detector's bound and block scores
+    "sparse": {"resident_ratio": 0.3, "sparse_budget": 32},       # the cold tier's Quest bound
+}
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU engine tests (bench/gpu_check.sh step 6) cover the GPU engine")
-def test_engine_generates_the_same_tokens_with_the_triton_backend(llm32):
-    """A greedy fp32 generation through the interpreted kernels (prefill chunks and decode steps)
-    gives the torch backend's tokens: one prompt within a block, one crossing two."""
+@pytest.mark.parametrize("policy", ENGINE_CASES)
+def test_engine_generates_the_same_tokens_with_the_triton_backend(tiny_model, policy):
+    """Greedy fp32 generations through the interpreted kernels give the torch backend's tokens
+    (the 2-layer random Llama: prompts of 5 to 300 tokens, not whole blocks)."""
     from kvreplay import LLM, SamplingParams
-    prompts = ["The capital of France is",
-               "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
-    params = SamplingParams(max_tokens=3, temperature=0.0)
-    triton_llm = LLM(dtype="float32", kv_cache_memory="16MiB", attention_backend="triton")
-    assert triton_llm.engine.runner.decode_kernel is OPS.decode_attention
-    ours = [out.token_ids for out in triton_llm.generate(prompts, params)]
-    assert ours == [out.token_ids for out in llm32.generate(prompts, params)]
+    prompts = [torch.randint(100, 40000, (n,), generator=_gen(n)).tolist() for n in (5, 37, 300)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    tokens, calls = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="4MiB", attention_backend=backend,
+                  policy=policy, window_tokens=32, enable_prefix_caching=False, **ENGINE_CASES[policy])
+        if backend == "triton":
+            calls = _count_calls(llm.engine.runner.triton)
+            llm.engine.runner.decode_kernel = llm.engine.runner.triton.decode_attention
+        tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]
+    reached = {name for name, count in calls.items() if count}
+    assert reached >= {"full": {"decode_attention", "prefill_attention"},
+                       "replay": {"decode_attention", "quest_bound", "need_block_lse"},
+                       "sparse": {"quest_bound"}}[policy]  # sparse decode steps read the cold tier: torch
+
+
+def _count_calls(ops) -> dict:
+    """Wrap each kernel of the namespace `ops` (in place) to count its calls into the dict returned."""
+    calls = {}
+    for name, fn in vars(ops).copy().items():
+        calls[name] = 0
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        setattr(ops, name, counted)
+    return calls
 
 
 def test_cold_selection_through_the_kernel_picks_the_torch_paths_blocks():
