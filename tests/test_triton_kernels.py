@@ -201,7 +201,8 @@ def test_cold_attention_dequantizes_like_the_cold_pool(kind, group):
     valid[2, 1, :] = False  # a head with nothing to read: zero output, lse -inf
     query = torch.randn(rows, num_kv, group, head_dim, generator=gen).to(DEVICE) * 0.2
     layer = 1
-    ours, lse = OPS.cold_attention(query, {name: t[layer] for name, t in pool.stored.items()}, kind, slots, valid)
+    ours, lse, block_lse = OPS.cold_attention(query, {name: t[layer] for name, t in pool.stored.items()}, kind,
+                                              slots, valid)
     k, v = pool.gather(layer, slots, torch.float32)                   # [B, Hkv, k, bs, D]
     k, v = k.flatten(2, 3), v.flatten(2, 3)                            # [B, Hkv, k*bs, D]
     scores = (query @ k.transpose(-1, -2)).masked_fill(
@@ -210,6 +211,8 @@ def test_cold_attention_dequantizes_like_the_cold_pool(kind, group):
     ref = torch.nan_to_num(torch.softmax(scores, -1)) @ v
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    ref_block_lse = scores.unflatten(-1, (picks, block_size)).logsumexp(-1)  # [B, Hkv, G, k]
+    torch.testing.assert_close(block_lse, ref_block_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("group,top_blocks", [(3, 2), (4, 8)])

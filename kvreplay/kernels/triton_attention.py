@@ -120,12 +120,25 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     grid = (num_seqs, num_kv)
     _decode_kernel[grid](q, key_cache, value_cache, tables, context, out, lse, scale, pool_blocks,
                          tables.shape[1], WANT_LSE=need_lse, **sizes)
-    mass = torch.empty(0, dtype=torch.float32, device=q.device)
-    if want_mass:
-        mass = torch.zeros(num_seqs, num_kv, tables.shape[1], dtype=torch.float32, device=q.device)
-        _decode_mass_kernel[grid](q, key_cache, tables, context, lse, mass, scale, pool_blocks,
-                                  tables.shape[1], **sizes)
+    mass = decode_block_mass(q, key_cache, tables, context, lse, scale) if want_mass \
+        else torch.empty(0, dtype=torch.float32, device=q.device)
     return out, lse if want_lse else lse[:0], mass
+
+
+def decode_block_mass(q: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per row, KV head and block of its table, the largest share of attention any of the KV
+    head's G query heads gives the block, each head's scores normalized by `lse` [B, Hq] (the
+    row's own log-sum-exp, or one over more keys than the hot ones). Returns [B, Hkv, W] fp32."""
+    num_seqs, num_q, head_dim = q.shape
+    num_kv, pool_blocks, block_size = key_cache.shape[:3]
+    tables = block_tables.contiguous()
+    mass = torch.zeros(num_seqs, num_kv, tables.shape[1], dtype=torch.float32, device=q.device)
+    _decode_mass_kernel[(num_seqs, num_kv)](
+        q.contiguous(), key_cache, tables, context.contiguous(), lse.float().contiguous(), mass, scale,
+        pool_blocks, tables.shape[1], HKV=num_kv, G=num_q // num_kv, D=head_dim, BS=block_size,
+        G_P=_pow2(num_q // num_kv), D_P=_pow2(head_dim), BS_P=_pow2(block_size))
+    return mass
 
 
 @triton.jit

@@ -55,11 +55,13 @@ def kernels() -> SimpleNamespace:
       want_mass) -> (out, lse, mass): the compiled CPU decode kernel's signature;
     - prefill_attention(q, key_cache, value_cache, block_table, context, causal_from, scale);
     - quest_bound(query, lo, hi, slot_table, valid) -> [R, Hkv, N];
-    - cold_attention(query, fields, kind, slots, valid) -> (out, lse);
+    - decode_block_mass(q, key_cache, block_tables, context, lse, scale) -> [B, Hkv, W];
+    - cold_attention(query, fields, kind, slots, valid) -> (out, lse, block_lse);
     - need_block_lse(query, codes, lo, hi, slots) -> [R, Hkv, G, k].
     """
     from kvreplay.kernels import triton_attention, triton_sparse
     return SimpleNamespace(decode_attention=triton_attention.decode_attention,
+                           decode_block_mass=triton_attention.decode_block_mass,
                            prefill_attention=triton_attention.prefill_attention,
                            quest_bound=triton_sparse.quest_bound,
                            cold_attention=triton_sparse.cold_attention,

@@ -91,7 +91,7 @@ def quest_bound(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, slot_ta
 
 @triton.jit
 def _cold_kernel(q_ptr, slots_ptr, valid_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs_ptr, vz_ptr, out_ptr, lse_ptr,
-                 pool_slots, picks, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                 block_lse_ptr, pool_slots, picks, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                  G_P: tl.constexpr, D_P: tl.constexpr, BS_P: tl.constexpr, INT4: tl.constexpr,
                  GROUP: tl.constexpr):
     b = tl.program_id(0)
@@ -128,7 +128,13 @@ def _cold_kernel(q_ptr, slots_ptr, valid_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs
                 * v_scale[:, None]
         s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)                        # [G_P, BS_P]
         s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        top = tl.max(s, axis=1)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        block_sum = tl.sum(tl.exp(s - top_safe[:, None]), axis=1)
+        tl.store(block_lse_ptr + (head0 + g) * picks + i,
+                 tl.where(block_sum > 0, top_safe + tl.log(tl.where(block_sum > 0, block_sum, 1.0)), float("-inf")),
+                 mask=g < G)
+        m_new = tl.maximum(m, top)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing live yet: no NaN
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
@@ -144,7 +150,7 @@ def _cold_kernel(q_ptr, slots_ptr, valid_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs
 
 
 def cold_attention(query: torch.Tensor, fields: dict[str, torch.Tensor], kind: str, slots: torch.Tensor,
-                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of each row's queries within its picked cold blocks, dequantized in the kernel.
 
     Args:
@@ -154,8 +160,9 @@ def cold_attention(query: torch.Tensor, fields: dict[str, torch.Tensor], kind: s
         kind: "int8" or "int4" (COLD_KINDS).
         slots: [B, Hkv, k] long, each KV head's own picks; valid: [B, Hkv, k] bool.
     Returns:
-        out [B, Hkv, G, D] fp32 (zero where no pick is valid) and lse [B, Hkv, G] fp32 of the
-        scores over the picked blocks' tokens (-inf where none).
+        out [B, Hkv, G, D] fp32 (zero where no pick is valid), lse [B, Hkv, G] fp32 of the
+        scores over the picked blocks' tokens (-inf where none), and each pick's own log-sum-exp
+        [B, Hkv, G, k] (-inf where not valid), for its block mass.
     """
     if kind not in COLD_KINDS:
         raise ValueError(f"cold_attention reads {' or '.join(COLD_KINDS)} cold blocks, not {kind!r}")
@@ -165,14 +172,15 @@ def cold_attention(query: torch.Tensor, fields: dict[str, torch.Tensor], kind: s
     int4 = kind == "int4"
     out = torch.empty(num_seqs, num_kv, group, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(num_seqs, num_kv, group, dtype=torch.float32, device=query.device)
+    block_lse = torch.empty(num_seqs, num_kv, group, slots.shape[-1], dtype=torch.float32, device=query.device)
     zeros = (fields["key_zero"], fields["value_zero"]) if int4 else (key_data, key_data)  # unread for int8
     _cold_kernel[(num_seqs, num_kv)](
         query.float().contiguous(), slots.contiguous(), valid.to(torch.int8).contiguous(),
         key_data.contiguous(), fields["key_scale"].contiguous(), zeros[0].contiguous(),
         fields["value_data"].contiguous(), fields["value_scale"].contiguous(), zeros[1].contiguous(),
-        out, lse, key_data.shape[1], slots.shape[-1], HKV=num_kv, G=group, D=head_dim, BS=block_size,
+        out, lse, block_lse, key_data.shape[1], slots.shape[-1], HKV=num_kv, G=group, D=head_dim, BS=block_size,
         G_P=_pow2(group), D_P=_pow2(head_dim), BS_P=_pow2(block_size), INT4=int4, GROUP=INT4_GROUP)
-    return out, lse
+    return out, lse, block_lse
 
 
 @triton.jit
