@@ -240,7 +240,7 @@ ENGINE_CASES = {  # policy -> knobs: which kernels a run reaches besides decode 
     "full": {},
     "replay": {"trim": "prefill", "resident_ratio": 0.3, "need_layers": "all", "replay_threshold": 0.3,
                "heavy_tokens": 0},                                 # the need detector's bound and block scores
-    "sparse": {"resident_ratio": 0.3, "sparse_budget": 32},       # the cold tier's Quest bound
+    "sparse": {"resident_ratio": 0.3, "sparse_budget": 32},       # the cold tier: bound, attention, mass
 }
 
 
@@ -264,7 +264,7 @@ def test_engine_generates_the_same_tokens_with_the_triton_backend(tiny_model, po
     reached = {name for name, count in calls.items() if count}
     assert reached >= {"full": {"decode_attention", "prefill_attention"},
                        "replay": {"decode_attention", "quest_bound", "need_block_lse"},
-                       "sparse": {"quest_bound"}}[policy]  # sparse decode steps read the cold tier: torch
+                       "sparse": {"decode_attention", "quest_bound", "cold_attention", "decode_block_mass"}}[policy]
 
 
 def _count_calls(ops) -> dict:
@@ -293,9 +293,38 @@ def test_cold_selection_through_the_kernel_picks_the_torch_paths_blocks():
     table, valid = _slot_table(rows, 6, 9, seed=42)
     query = torch.randn(num_kv * rows, group, head_dim, generator=gen).to(DEVICE)  # [Hkv*B, G, D]
     results = []
-    for bound in (None, OPS.quest_bound):
-        cold = ColdAttention(table, valid, pool, budget_blocks=2, quest_bound=bound)
+    for ops in (None, OPS):
+        cold = ColdAttention(table, valid, pool, budget_blocks=2, triton=ops)
         results.append(_cold_blocks(cold, query, num_kv, rows, group))
     (ref_k, ref_v, ref_valid, ref_top), (k, v, picked_valid, top) = results
     assert torch.equal(top, ref_top) and torch.equal(picked_valid, ref_valid)
     assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("budget", [None, 2])
+def test_decode_over_hot_and_cold_blocks_matches_the_torch_path(kind, budget):
+    """_decode_attention with a cold tier: the Triton route (hot and cold attended apart, merged
+    by log-sum-exp, cold blocks dequantized in the kernel) against the PyTorch route (one softmax
+    over gathered hot keys and dequantized cold copies): output, the probe's lse, hot and cold
+    block mass; every cold block (budget None) or each KV head's top 2 by Quest bound."""
+    from kvreplay.kv.cold_pool import ColdPool
+    from kvreplay.layers.attention import ColdAttention
+    num_q, num_kv, head_dim, block_size, lengths = 6, 2, 64, 16, [37, 5, 20]
+    key_cache, value_cache = _paged_cache(num_kv, 12, block_size, head_dim, torch.float32, seed=51)
+    tables, context = _tables(lengths, block_size, 12, seed=52)
+    pool = ColdPool(1, num_kv, block_size, head_dim, kind, device=DEVICE, initial_slots=4)
+    gen = _gen(53)
+    cold_keys = torch.randn(1, num_kv, 8, block_size, head_dim, generator=gen) + torch.randn(head_dim, generator=gen)
+    pool.add(cold_keys.to(DEVICE), torch.randn(cold_keys.shape, generator=gen).to(DEVICE))
+    slot_table, slot_valid = _slot_table(len(lengths), 5, 8, seed=54)
+    q = torch.randn(len(lengths), num_q, head_dim, generator=gen).to(DEVICE)
+    results = []
+    for ops in (None, OPS):
+        meta, index = _decode_meta(tables, context, num_kv, block_size, None, probed=True)
+        meta.cold = ColdAttention(slot_table, slot_valid, pool, budget, triton=ops)
+        out = _decode_attention(q, key_cache, value_cache, meta, head_dim ** -0.5)
+        results.append((out, index.lse, meta.decode_mass, meta.cold_mass, meta.cold.selected_blocks))
+    for ours, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert results[0][3].amax() > 0.05  # the cold blocks take a share worth comparing

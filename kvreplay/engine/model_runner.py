@@ -275,7 +275,7 @@ class ModelRunner:
             return None
         table, valid = self._padded(slot_lists)
         return ColdAttention(table, valid, self.kv.cold_pool, self.sparse_budget_blocks, self.dense_layers,
-                             quest_bound=None if self.triton is None else self.triton.quest_bound)
+                             triton=self.triton)
 
     def _probe(self, decodes: list[Sequence], probed: list) -> NeedProbe | None:
         """The need detector's probe over the decoding sequences that have indexed dropped

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,9 @@ class ColdAttention:
     pool: "ColdPool"
     budget_blocks: int | None
     dense_layers: int = 0
-    quest_bound: Callable | None = None  # the Triton Quest bound (kernels/triton_sparse.py), else torch
+    # The Triton kernels (kernels/triton_backend.kernels()), else None: the Quest bound, and for
+    # int8/int4 blocks attention with the dequantization fused (layers/cold_decode.py).
+    triton: Any = None
     layer: int = 0
     selected_blocks: int = 0   # cold blocks attended, summed over layers and KV heads
     candidate_blocks: int = 0  # cold blocks that could have been
@@ -192,6 +194,10 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     The query heads sharing a KV head are stacked as rows, so K/V are never repeated."""
     if meta.decode_kernel is not None:
         return _kernel_decode(q, key_cache, value_cache, meta, scale)
+    if meta.cold is not None and meta.cold.triton is not None and meta.hot_selection is None \
+            and meta.cold.pool.kind in ("int8", "int4"):
+        from kvreplay.layers.cold_decode import cold_decode_attention  # it imports this module
+        return cold_decode_attention(q, key_cache, value_cache, meta, scale)
     num_seqs, num_q, head_dim = q.shape
     num_kv = key_cache.shape[0]
     group = num_q // num_kv
@@ -331,13 +337,12 @@ def add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
     meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
 
 
-def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, which of their
-    rows are real [Hkv*B, 1, C], and the slot-table columns each KV head read [Hkv, B, k]
-    (None: all). Sparse: per KV head, the top blocks by Quest bound."""
+def cold_picks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
+               ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This layer's cold reads: the layer, the slots [Hkv, B, k] and validity [Hkv, B, k] each KV
+    head reads, and their slot-table columns [Hkv, B, k] (None: all N columns, k = N). Sparse:
+    per KV head, the top blocks by Quest bound. query: [Hkv*B, G, D] scaled."""
     head_dim = query.shape[-1]
-    block_size = cold.pool.block_size
     table, valid = cold.slot_table, cold.valid                                    # [B, N]
     num_slots = table.shape[1]
     layer = cold.layer
@@ -345,30 +350,39 @@ def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs
     heads_valid = valid.unsqueeze(0).expand(num_kv, -1, -1)                       # [Hkv, B, N]
     cold.candidate_blocks += int(valid.sum()) * num_kv
     if cold.budget_blocks is None or layer < cold.dense_layers or num_slots <= cold.budget_blocks:
-        start = time.perf_counter()
-        keys, values = cold.pool.gather_all_heads(layer, table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
-        cold.dequant_seconds += time.perf_counter() - start
-        picked_valid, top = heads_valid, None
         cold.selected_blocks += int(valid.sum()) * num_kv
+        return layer, table.unsqueeze(0).expand(num_kv, -1, -1), heads_valid, None
+    lo, hi = cold.pool.summaries(layer)                                           # [Hkv, S, D]
+    q = query.view(num_kv, num_seqs, group, head_dim).float()
+    if cold.triton is not None:  # read through the slot table in place: [B, Hkv, N]
+        bound = cold.triton.quest_bound(q.transpose(0, 1), lo, hi, table, valid).transpose(0, 1)
     else:
-        lo, hi = cold.pool.summaries(layer)                                       # [Hkv, S, D]
-        q = query.view(num_kv, num_seqs, group, head_dim).float()
-        if cold.quest_bound is not None:  # read through the slot table in place: [B, Hkv, N]
-            bound = cold.quest_bound(q.transpose(0, 1), lo, hi, table, valid).transpose(0, 1)
-        else:
-            flat = table.flatten()
-            lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-            hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-            bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)          # [Hkv, B, N]
-            bound.masked_fill_(~heads_valid, float("-inf"))
-        top = bound.topk(cold.budget_blocks, dim=-1).indices                      # [Hkv, B, k]
-        slots = table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top)         # [Hkv, B, k]
-        picked_valid = heads_valid.gather(2, top)
-        start = time.perf_counter()
+        flat = table.flatten()
+        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
+        bound.masked_fill_(~heads_valid, float("-inf"))
+    top = bound.topk(cold.budget_blocks, dim=-1).indices                          # [Hkv, B, k]
+    picked_valid = heads_valid.gather(2, top)
+    cold.selected_blocks += int(picked_valid.sum())
+    return layer, table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top), picked_valid, top
+
+
+def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, which of their
+    rows are real [Hkv*B, 1, C], and the slot-table columns each KV head read [Hkv, B, k]
+    (None: all); `cold_picks` chooses them."""
+    head_dim = query.shape[-1]
+    block_size = cold.pool.block_size
+    layer, slots, picked_valid, top = cold_picks(cold, query, num_kv, num_seqs, group)
+    start = time.perf_counter()
+    if top is None:
+        keys, values = cold.pool.gather_all_heads(layer, cold.slot_table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
+    else:
         keys, values = cold.pool.gather(layer, slots.transpose(0, 1), query.dtype)  # [B, Hkv, k, bs, D]
-        cold.dequant_seconds += time.perf_counter() - start
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)               # [Hkv, B, k, bs, D]
-        cold.selected_blocks += int(picked_valid.sum())
+    cold.dequant_seconds += time.perf_counter() - start
     picks = picked_valid.shape[-1]
     keys = keys.reshape(num_kv * num_seqs, picks * block_size, head_dim)
     values = values.reshape(num_kv * num_seqs, picks * block_size, head_dim)
