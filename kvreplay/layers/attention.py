@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvreplay.kv.importance import block_mass
-from kvreplay.kv.quant import block_upper_bound
+from kvreplay.layers.cold_decode import add_decode_mass, cold_decode_attention, cold_picks
+from kvreplay.layers.cold_decode import probe_dropped as _probe_dropped
 from kvreplay.layers.linear import onednn_rows
 from kvreplay.layers.selection import HotSelection, mask_unselected
 from kvreplay.layers.window import window_chunk_keys, windowed_decode_meta
@@ -196,7 +197,6 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         return _kernel_decode(q, key_cache, value_cache, meta, scale)
     if meta.cold is not None and meta.cold.triton is not None and meta.hot_selection is None \
             and meta.cold.pool.kind in ("int8", "int4"):
-        from kvreplay.layers.cold_decode import cold_decode_attention  # it imports this module
         return cold_decode_attention(q, key_cache, value_cache, meta, scale)
     num_seqs, num_q, head_dim = q.shape
     num_kv = key_cache.shape[0]
@@ -298,20 +298,6 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     meta.cold_mass = cold_mass if meta.cold_mass is None else meta.cold_mass + cold_mass
 
 
-def _probe_dropped(probe: NeedProbe, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
-    """Estimate, for this layer, the largest attention share a dropped block would take.
-    query: [R, Hkv, G, D] scaled queries of the probed rows; lse: [R, Hkv, G] log-sum-exp of their
-    scores over the keys they attended to."""
-    mass, column = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
-                                                  probe.top_blocks)
-    if probe.max_mass is None:
-        probe.max_mass, probe.flagged = mass, column
-    else:
-        larger = mass > probe.max_mass
-        probe.flagged = torch.where(larger, column, probe.flagged)
-        probe.max_mass = torch.where(larger, mass, probe.max_mass)
-
-
 def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode rows through the compiled kernel: each row reads its own blocks and length, and
@@ -330,42 +316,6 @@ def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     if meta.observe_decode:
         add_decode_mass(meta, mass.amax(1))  # the largest over KV heads, as block_mass takes it
     return out
-
-
-def add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
-    """Add one layer's hot-block mass [B, max_blocks] to the step's sum over layers."""
-    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
-
-
-def cold_picks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
-               ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This layer's cold reads: the layer, the slots [Hkv, B, k] and validity [Hkv, B, k] each KV
-    head reads, and their slot-table columns [Hkv, B, k] (None: all N columns, k = N). Sparse:
-    per KV head, the top blocks by Quest bound. query: [Hkv*B, G, D] scaled."""
-    head_dim = query.shape[-1]
-    table, valid = cold.slot_table, cold.valid                                    # [B, N]
-    num_slots = table.shape[1]
-    layer = cold.layer
-    cold.layer += 1
-    heads_valid = valid.unsqueeze(0).expand(num_kv, -1, -1)                       # [Hkv, B, N]
-    cold.candidate_blocks += int(valid.sum()) * num_kv
-    if cold.budget_blocks is None or layer < cold.dense_layers or num_slots <= cold.budget_blocks:
-        cold.selected_blocks += int(valid.sum()) * num_kv
-        return layer, table.unsqueeze(0).expand(num_kv, -1, -1), heads_valid, None
-    lo, hi = cold.pool.summaries(layer)                                           # [Hkv, S, D]
-    q = query.view(num_kv, num_seqs, group, head_dim).float()
-    if cold.triton is not None:  # read through the slot table in place: [B, Hkv, N]
-        bound = cold.triton.quest_bound(q.transpose(0, 1), lo, hi, table, valid).transpose(0, 1)
-    else:
-        flat = table.flatten()
-        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
-        bound.masked_fill_(~heads_valid, float("-inf"))
-    top = bound.topk(cold.budget_blocks, dim=-1).indices                          # [Hkv, B, k]
-    picked_valid = heads_valid.gather(2, top)
-    cold.selected_blocks += int(picked_valid.sum())
-    return layer, table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top), picked_valid, top
 
 
 def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int

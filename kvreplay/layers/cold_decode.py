@@ -10,6 +10,8 @@ two are merged by their log-sum-exps, which is the same softmax:
 
 The need probe reads `lse`; importance reads each hot block's share (normalized by `lse`) and
 each cold pick's, exp(pick lse - lse), spread over the slot-table columns as the PyTorch path does.
+Here too, shared with the PyTorch path: the choice of cold blocks (`cold_picks`), the need probe's
+step (`probe_dropped`) and the sum of hot-block mass over layers (`add_decode_mass`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import time
 
 import torch
 
-from kvreplay.layers.attention import AttentionMetadata, _probe_dropped, add_decode_mass, cold_picks
+from kvreplay.kv.quant import block_upper_bound
+
+# AttentionMetadata, ColdAttention and NeedProbe in the annotations are attention.py's classes
+# (unevaluated: attention.py imports this module).
 
 
 def cold_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -45,7 +50,7 @@ def cold_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     probe = meta.probe
     probed_layer = None if probe is None else probe.next_layer()
     if probed_layer is not None:
-        _probe_dropped(probe, probed_layer, query.index_select(0, probe.rows), lse.index_select(0, probe.rows))
+        probe_dropped(probe, probed_layer, query.index_select(0, probe.rows), lse.index_select(0, probe.rows))
     if meta.observe_decode:
         hot = ops.decode_block_mass(q, key_cache, tables, context, lse.view(num_seqs, num_q), scale)
         add_decode_mass(meta, hot.amax(1))                                          # [B, W]
@@ -56,3 +61,53 @@ def cold_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         cold_mass = per_head.amax(0)                                                # [B, N]
         meta.cold_mass = cold_mass if meta.cold_mass is None else meta.cold_mass + cold_mass
     return out.to(q.dtype).view(num_seqs, num_q, head_dim)
+
+
+def cold_picks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
+               ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This layer's cold reads: the layer, the slots [Hkv, B, k] and validity [Hkv, B, k] each KV
+    head reads, and their slot-table columns [Hkv, B, k] (None: all N columns, k = N). Sparse:
+    per KV head, the top blocks by Quest bound. query: [Hkv*B, G, D] scaled."""
+    head_dim = query.shape[-1]
+    table, valid = cold.slot_table, cold.valid                                    # [B, N]
+    num_slots = table.shape[1]
+    layer = cold.layer
+    cold.layer += 1
+    heads_valid = valid.unsqueeze(0).expand(num_kv, -1, -1)                       # [Hkv, B, N]
+    cold.candidate_blocks += int(valid.sum()) * num_kv
+    if cold.budget_blocks is None or layer < cold.dense_layers or num_slots <= cold.budget_blocks:
+        cold.selected_blocks += int(valid.sum()) * num_kv
+        return layer, table.unsqueeze(0).expand(num_kv, -1, -1), heads_valid, None
+    lo, hi = cold.pool.summaries(layer)                                           # [Hkv, S, D]
+    q = query.view(num_kv, num_seqs, group, head_dim).float()
+    if cold.triton is not None:  # read through the slot table in place: [B, Hkv, N]
+        bound = cold.triton.quest_bound(q.transpose(0, 1), lo, hi, table, valid).transpose(0, 1)
+    else:
+        flat = table.flatten()
+        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
+        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
+        bound.masked_fill_(~heads_valid, float("-inf"))
+    top = bound.topk(cold.budget_blocks, dim=-1).indices                          # [Hkv, B, k]
+    picked_valid = heads_valid.gather(2, top)
+    cold.selected_blocks += int(picked_valid.sum())
+    return layer, table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top), picked_valid, top
+
+
+def probe_dropped(probe: NeedProbe, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
+    """Estimate, for this layer, the largest attention share a dropped block would take.
+    query: [R, Hkv, G, D] scaled queries of the probed rows; lse: [R, Hkv, G] log-sum-exp of their
+    scores over the keys they attended to."""
+    mass, column = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
+                                                  probe.top_blocks)
+    if probe.max_mass is None:
+        probe.max_mass, probe.flagged = mass, column
+    else:
+        larger = mass > probe.max_mass
+        probe.flagged = torch.where(larger, column, probe.flagged)
+        probe.max_mass = torch.where(larger, mass, probe.max_mass)
+
+
+def add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
+    """Add one layer's hot-block mass [B, max_blocks] to the step's sum over layers."""
+    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
