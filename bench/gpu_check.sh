@@ -8,9 +8,16 @@
 #   3. long requests under a tight KV budget, full against replay (bench/replay_serving.py),
 #   4. the docs/architecture.md §8 serving workload (`kvreplay bench serve`),
 #   5. step 2's throughput with every decode step eager (KVREPLAY_CUDA_GRAPHS=0), kvreplay only,
-#   6. the engine tests (batching, replay, cold tier, importance, sampling, server) on the GPU.
-# Steps run in the order STEPS names them; with the default limits the whole run takes at most
-# ~560 s, inside one 10-minute call (an H200 took 62 s for step 1, ~125 s for step 2). Each writes its log (and JSON) under $OUT and runs
+#   6. the engine tests (batching, replay, cold tier, importance, sampling, server) on the GPU,
+#   7. the Triton kernels' tests (tests/test_triton_kernels.py) compiled on the GPU (no
+#      interpreter), then step 2's kvreplay decode throughput with attention_backend=torch
+#      (throughput_torch.json), to set beside step 2's, whose engine takes the Triton kernels
+#      (attention_backend=auto picks triton on a GPU where triton imports; each run's JSON says
+#      which under "attention").
+# With a GPU and triton, steps 1, 2, 3, 4 and 6 run the engine on the Triton kernels.
+# Steps run in the order STEPS names them; the default STEPS (1,7,2,3,6,4: step 5, measured
+# before, on request) take at most ~580 s with the default limits, inside one 10-minute call (an
+# H200 took 62 s for step 1, ~125 s for step 2). Each writes its log (and JSON) under $OUT and runs
 # under its own time limit, so one failure does not hide the others.
 #
 # Usage: OUT=gpu_out bash bench/gpu_check.sh
@@ -20,7 +27,7 @@
 set -u
 out=${OUT:-gpu_check_out}
 py=${PYTHON:-python3}
-steps=${STEPS:-1,2,5,3,6,4}
+steps=${STEPS:-1,7,2,3,6,4}
 mkdir -p "$out"
 # The compiled CPU kernels are off by default here: the GPU engine does not use them, and on the
 # one GPU machine tried (torch 2.11, g++ 13.3) an error raised inside one crashed the process.
@@ -38,7 +45,7 @@ for step in ${steps//,/ }; do
   case $step in
   1)
     echo "== 1. exactness and CUDA-graph tests on $KVREPLAY_DEVICE"
-    timeout "${REFERENCE_LIMIT:-90}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE --tb=long \
+    timeout "${REFERENCE_LIMIT:-80}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE --tb=long \
       tests/test_cuda_graphs.py tests/test_reference.py 2>&1 | tee "$out/pytest_reference.log" ;;
   2)
     echo "== 2. engine throughput (decode from CUDA graphs)"
@@ -54,7 +61,7 @@ for step in ${steps//,/ }; do
       2>&1 | tee "$out/replay.log" ;;
   6)
     echo "== 6. engine tests on $KVREPLAY_DEVICE"
-    timeout "${TEST_LIMIT:-130}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
+    timeout "${TEST_LIMIT:-120}" "$py" -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
       ${TESTS:-tests/test_kv_engine.py tests/test_batching.py tests/test_replay.py \
       tests/test_cold_sparse.py tests/test_importance.py tests/test_sampling.py tests/test_server.py} \
       2>&1 | tee "$out/pytest.log" ;;
@@ -63,6 +70,12 @@ for step in ${steps//,/ }; do
     timeout "${SERVE_LIMIT:-60}" "$py" -m kvreplay bench serve --device "$KVREPLAY_DEVICE" --policies full,replay \
       --num-requests 64 --output-tokens 128 --budgets 256MiB,2GiB --max-num-batched-tokens 4096 \
       --no-progress --json "$out/serve.json" --markdown "$out/serve.md" 2>&1 | tee "$out/serve.log" ;;
-  *) echo "unknown step $step (1-6)"; exit 2 ;;
+  7)
+    echo "== 7. Triton kernel tests compiled on $KVREPLAY_DEVICE, and decode throughput with attention_backend=torch"
+    env -u TRITON_INTERPRET timeout "${TRITON_TEST_LIMIT:-50}" "$py" -m pytest -q -p no:cacheprovider --timeout 45 -rfE \
+      tests/test_triton_kernels.py 2>&1 | tee "$out/pytest_triton.log"
+    PEER_ARGS="--no-peer --attention-backend torch" THROUGHPUT_LIMIT=${TRITON_BENCH_LIMIT:-50} \
+      throughput throughput_torch ;;
+  *) echo "unknown step $step (1-7)"; exit 2 ;;
   esac
 done

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvreplay.kernels.triton_backend import BACKENDS, use_triton
 from kvreplay.kv.policy import PAUSE_MODES, POLICIES, REPLAY_HOLDS, TRIM_MODES, TRIM_ORDERS, Watermarks
 from kvreplay.kv.quant import KINDS as COLD_KINDS
 from kvreplay.kv.session_tier import TIER_CHOICES, check_tier_dir, parse_budget
@@ -102,6 +103,12 @@ def _check_endpoint(name: str, value) -> str | None:
     return value
 
 
+def _check_backend(name: str, value, owner) -> bool:
+    """Whether the engine runs the Triton kernels; a ValueError when triton is asked for and cannot run."""
+    check_choice(name, value, BACKENDS)
+    return use_triton(value, torch.device(owner.device).type)
+
+
 def _check_ratio(name: str, value, owner) -> float | None:
     value = check_number(name, value, 0, 1, low_open=True, optional=True, what="a share of full KV")
     if value is None and owner.kv_policy.needs_ratio:
@@ -116,7 +123,7 @@ class EngineConfig:
     """Knobs of one engine. Each field's help below is its one description: the same text is the
     help of its `kvreplay` flag. Checked on construction; a bad value is a ValueError naming it.
     Parsed forms are kept beside the fields: torch_dtype, kv_cache_bytes, kv_policy,
-    watermark_levels, need_layer_set."""
+    watermark_levels, need_layer_set, use_triton."""
     model: str | None = knob(
         None, "a .gguf file, a Hugging Face model directory, a Hugging Face id (Org/Name) "
               "already in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
@@ -136,6 +143,14 @@ class EngineConfig:
     device: str = knob(
         help="cpu or cuda[:N]", default_factory=default_device, cli_default=None,
         default_help=f"${DEVICE_ENV}, else cpu", check=applying(check_device))
+    attention_backend: str = knob(
+        "auto", "kernels of attention and the sparse paths: torch (PyTorch's ops; on a CPU the "
+                "compiled CPU kernels), triton (the Triton GPU kernels of kvreplay/kernels/triton_*.py: "
+                "paged decode and prefill attention, the Quest bound, the need detector's block "
+                "scores; on a CPU only through Triton's interpreter, TRITON_INTERPRET=1), or auto: "
+                "triton on a CUDA device when the triton package is installed, else torch",
+        choices=BACKENDS, check=lambda name, value, owner: _check_backend(name, value, owner),
+        parsed="use_triton")
     kv_cache_memory: int | str = knob(
         "256MiB", "KV cache budget: bytes, or a size like 256MiB or 2GB",
         check=applying(parse_bytes), parsed="kv_cache_bytes")

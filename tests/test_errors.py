@@ -95,6 +95,27 @@ def test_device_follows_the_environment_and_a_bad_one_is_a_clear_error(monkeypat
     assert EngineConfig().device == "cpu"
 
 
+def test_attention_backend_choices_and_refusals(monkeypatch):
+    """auto picks triton only on a GPU; triton on a CPU needs the interpreter, and triton at all
+    needs the package: each refusal says what to do."""
+    from kvreplay.kernels import triton_backend
+    with pytest.raises(ValueError, match="unknown attention_backend 'cuda'"):
+        EngineConfig(attention_backend="cuda")
+    assert not EngineConfig(device="cpu").use_triton  # auto on a CPU: torch
+    assert not EngineConfig(device="cpu", attention_backend="torch").use_triton
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: True)
+    assert triton_backend.use_triton("auto", "cuda") and not triton_backend.use_triton("torch", "cuda")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        EngineConfig(device="cpu", attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(device="cpu", attention_backend="triton").use_triton
+    monkeypatch.setattr(triton_backend, "triton_available", lambda: False)
+    assert not triton_backend.use_triton("auto", "cuda")
+    with pytest.raises(ValueError, match="needs the triton package"):
+        EngineConfig(device="cpu", attention_backend="triton")
+
+
 def test_unknown_llm_keyword():
     with pytest.raises(TypeError, match="unknown LLM option"):
         LLM(kv_cache_mem="1GiB")

@@ -66,12 +66,13 @@ def test_cpu_kernels_switch_refuses_a_typo(monkeypatch):
 
 
 def test_every_variable_read_is_declared_once():
-    """Every KVREPLAY_* name the package's Python names, and every one its kernels read with
-    getenv, has its row in switches.VARIABLES (one row each)."""
+    """Every KVREPLAY_* name the package's Python names (and Triton's TRITON_INTERPRET, which it
+    reads), and every one its kernels read with getenv, has its row in switches.VARIABLES (one
+    row each)."""
     package = Path(__file__).resolve().parent.parent / "kvreplay"
     named = set()
     for path in package.rglob("*.py"):
-        named |= set(re.findall(r"KVREPLAY_[A-Z0-9_]+", path.read_text()))
+        named |= set(re.findall(r"KVREPLAY_[A-Z0-9_]+|TRITON_INTERPRET", path.read_text()))
     for path in (package / "kernels" / "csrc").iterdir():
         named |= set(re.findall(r'switched_off\("(KVREPLAY_[A-Z0-9_]+)"', path.read_text()))
     assert len(DECLARED) == len(VARIABLES)

@@ -141,8 +141,10 @@ def worker(args) -> dict:
         from kvreplay import LLM
         # No prefix caching: the warm-up sends the same prompts, and transformers has nothing alike.
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory="512MiB",
-                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+                  max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  attention_backend=args.attention_backend)
         load_s = time.perf_counter() - load_start
+        extra = {"attention": "triton" if llm.engine.config.use_triton else "torch"}
         run_kvreplay(llm, prompts, 2)  # warm-up: same batch, prompts and shapes
         prefill, decode = run_kvreplay(llm, prompts, args.decode_tokens)
     elif args.worker == "transformers":
@@ -181,7 +183,8 @@ def spawn(engine: str, batch: int, args) -> dict:
     """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
     cmd = [sys.executable, "-m", "kvreplay.bench.throughput", "--worker", engine, "--batch", str(batch),
            "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
-           "--dtype", args.dtype, "--threads", str(args.threads), "--device", args.device]
+           "--dtype", args.dtype, "--threads", str(args.threads), "--device", args.device,
+           "--attention-backend", args.attention_backend]
     if args.model is not None:
         cmd += ["--model", args.model]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
@@ -214,6 +217,7 @@ def _batches(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `kvreplay bench throughput` (and of bench/engine_throughput.py)."""
     from kvreplay.config import default_device
+    from kvreplay.kernels.triton_backend import BACKENDS
     parser.add_argument("--batches", type=_batches, default=[1, 8, 32],
                         help="comma-separated batch sizes (default: 1,8,32)")
     parser.add_argument("--prompt-tokens", type=_positive, default=128, help="tokens per prompt (default: %(default)s)")
@@ -234,6 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=default_device(),
                         help="cpu or cuda[:N] for kvreplay and transformers; llama.cpp stays on the CPU "
                              "(default: $KVREPLAY_DEVICE, else %(default)s)")
+    parser.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+                        help="kvreplay's attention kernels (EngineConfig.attention_backend; default: %(default)s)")
 
 
 def main(argv=None) -> int:

@@ -58,8 +58,10 @@ class DecodeGraphs:
     capture=False runs the same padded step without capturing it (how the CPU tests check the
     padding: the same tokens as the eager step)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, capture: bool = True):
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, capture: bool = True,
+                 decode_kernel=None):
         self.model = model
+        self.decode_kernel = decode_kernel  # the Triton decode attention (attention_backend), else None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.capture = capture
@@ -114,9 +116,10 @@ class DecodeGraphs:
         rows, width = entry.rows, entry.blocks
         ids, positions, slots, lengths = entry.inputs[:4 * rows].view(4, rows)
         tables = entry.inputs[4 * rows:].view(rows, width)
-        padding = decode_padding(lengths, width * self.block_size, self.model.config.num_kv_heads)
+        padding = None if self.decode_kernel is not None else \
+            decode_padding(lengths, width * self.block_size, self.model.config.num_kv_heads)
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=rows, decode_block_tables=tables,
-                                 decode_context=lengths, decode_padding=padding)
+                                 decode_context=lengths, decode_padding=padding, decode_kernel=self.decode_kernel)
         return self.model.forward(ids, positions, self.kv_caches, meta, None)
 
     def _capture(self, entry: _Bucket) -> None:

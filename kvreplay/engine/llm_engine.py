@@ -64,7 +64,9 @@ class LLMEngine:
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
                                   layered_chunk_tokens=config.max_num_batched_tokens,
                                   select_hot=self.scheduler.reclaim.attention_selection
-                                  if config.kv_policy.selects_per_step else None)
+                                  if config.kv_policy.selects_per_step else None,
+                                  use_triton=config.use_triton)
+        self.kv.key_index.triton = self.runner.triton  # the need detector's bound and block scores
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.chat_template = ChatTemplate(self.tokenizer, cfg.vocab_size, config.hot_turns)

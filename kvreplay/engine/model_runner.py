@@ -12,7 +12,7 @@ from kvreplay.engine.local_meta import local_group_metas
 from kvreplay.engine.replay import NeedOutcome
 from kvreplay.engine.scheduler import ScheduledBatch
 from kvreplay.engine.sequence import Sequence
-from kvreplay.kernels import cpu_kernels
+from kvreplay.kernels import cpu_kernels, triton_backend
 from kvreplay.kv import KVManager
 from kvreplay.kv.importance import OBSERVED_QUERIES
 from kvreplay.kv.manager import DROPPED
@@ -49,7 +49,8 @@ class ModelRunner:
                  need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0,
                  need_layers: frozenset[int] | None = None, observe_importance: bool = False,
                  layered_chunk_tokens: int = 512,
-                 select_hot: Callable[[Sequence], tuple[range, int] | None] | None = None):
+                 select_hot: Callable[[Sequence], tuple[range, int] | None] | None = None,
+                 use_triton: bool = False):
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -61,8 +62,13 @@ class ModelRunner:
         self.observe_importance = observe_importance  # feed kv.importance (policies that trim)
         # quest: a decoding sequence's middle blocks and how many each KV head reads (None: all)
         self.select_hot = select_hot
-        # Plain decode rows go to the compiled CPU kernel where it builds (None: PyTorch path).
-        self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
+        # attention_backend=triton: the Triton kernels (kernels/triton_backend.py) take decode
+        # attention, plain causal prompt chunks and the cold tier's Quest bound.
+        self.triton = triton_backend.kernels() if use_triton else None
+        # Plain decode rows go to the Triton kernel, else the compiled CPU kernel where it builds
+        # (None: PyTorch path).
+        self.decode_kernel = self.triton.decode_attention if self.triton is not None else \
+            cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         # bf16 prompt chunks over resident earlier positions go to the compiled causal kernel
         # where it builds and is the faster (else SDPA).
         self.prefill_kernel = cpu_kernels.prefill_attention() \
@@ -70,7 +76,8 @@ class ModelRunner:
         self.layered = LayeredPass(model, kv, layered_chunk_tokens, self.prefill_kernel, observe_importance)
         # Plain decode steps on a GPU replay CUDA graphs (kvreplay/engine/cuda_graphs.py);
         # not over a hybrid pool, whose local layers read other tables.
-        self.graphs = DecodeGraphs(model, kv.kv_caches, kv.block_size) \
+        self.graphs = DecodeGraphs(model, kv.kv_caches, kv.block_size,
+                                   decode_kernel=None if self.triton is None else self.decode_kernel) \
             if self.device.type == "cuda" and cuda_graphs_enabled() and not kv.local.num_groups else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -83,7 +90,8 @@ class ModelRunner:
         sequences whose known tokens are all computed after this step (they sample), and those
         sequences; with `greedy`, their argmax tokens [S] instead (the LM head keeps no logits)."""
         rows = _Rows()
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefill_kernel=self.prefill_kernel)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefill_kernel=self.prefill_kernel,
+                                 paged_prefill=None if self.triton is None else self.triton.prefill_attention)
         result = StepResult(rows.sampled)
         probed: list[tuple[Sequence, list[tuple[int, int]]]] = []
         if batch.decodes:
@@ -266,7 +274,8 @@ class ModelRunner:
         if not any(slot_lists):
             return None
         table, valid = self._padded(slot_lists)
-        return ColdAttention(table, valid, self.kv.cold_pool, self.sparse_budget_blocks, self.dense_layers)
+        return ColdAttention(table, valid, self.kv.cold_pool, self.sparse_budget_blocks, self.dense_layers,
+                             triton=self.triton)
 
     def _probe(self, decodes: list[Sequence], probed: list) -> NeedProbe | None:
         """The need detector's probe over the decoding sequences that have indexed dropped

@@ -10,9 +10,9 @@ variable rather than a silent default:
 
 The compiled kernels read two switches themselves (getenv: `KERNEL_SWITCHES`); they only know
 whether the value is "0", so `check_kernel_switches` checks them before a kernel loads.
-`markdown_rows` renders the table for docs/kernels.md. The three variables outside the kernels
-(KVREPLAY_DEVICE, KVREPLAY_API_KEY, KVREPLAY_CACHE_DIR) are listed for that table only; the
-modules named in their rows read them.
+`markdown_rows` renders the table for docs/kernels.md. Triton's TRITON_INTERPRET and the three
+variables outside the kernels (KVREPLAY_DEVICE, KVREPLAY_API_KEY, KVREPLAY_CACHE_DIR) are listed
+for that table only; the modules named in their rows read them.
 """
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ VARIABLES = (
     Variable("KVREPLAY_AMX_ATTENTION", "0 or 1", "1",
              "0 keeps decode attention's scores off AMX tiles (read at each call, by the kernel)",
              "switch", "C++ (csrc/attention.h)"),
+    Variable("TRITON_INTERPRET", "1, or anything else (Triton's own)", "compiled kernels (a GPU)",
+             "1 runs the Triton kernels on CPU tensors through Triton's interpreter (must be set before "
+             "triton is imported); attention_backend=triton on a CPU needs it", "text",
+             "Triton; kernels/triton_backend.py"),
     Variable("KVREPLAY_DEVICE", "cpu or cuda[:N]", "cpu",
              "the device an engine runs on when none is named", "text", "config.py"),
     Variable("KVREPLAY_API_KEY", "any string", "none (no key)",

@@ -47,6 +47,9 @@ class KeyIndex:
         self.trace: list | None = None
         # The detector's compiled form on CPU (csrc/decode_attention.cpp), None: PyTorch below.
         self.kernel = cpu_kernels.need_block_mass() if self.device.type == "cpu" else None
+        # The Triton kernels (kernels/triton_backend.kernels()) when the engine's attention_backend
+        # takes them: the Quest bound and the blocks' scores of the PyTorch path below run there.
+        self.triton = None
         # Per kept layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
         self.slot_bytes = stored * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
 
@@ -131,25 +134,32 @@ class KeyIndex:
         rows, num_slots = slot_table.shape
         num_kv, head_dim = self.num_kv_heads, self.head_dim
         query = query.float()
-        if self.kernel is not None and self.trace is None:
+        if self.kernel is not None and self.triton is None and self.trace is None:
             return self.kernel(query, self.codes[layer], self.lo[layer], self.hi[layer], slot_table,
                                valid, resident_lse.float(), top_blocks)
-        flat = slot_table.flatten()
-        lo = self.lo[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
-        hi = self.hi[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
-        bound = block_upper_bound(query, lo.float(), hi.float()).amax(2)  # [R, Hkv, N]
-        bound.masked_fill_(~valid[:, None, :], float("-inf"))
+        gpu = self.triton
+        if gpu is not None:  # the Quest bound read through the slot table in place
+            bound = gpu.quest_bound(query, self.lo[layer], self.hi[layer], slot_table, valid)
+        else:
+            flat = slot_table.flatten()
+            lo = self.lo[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
+            hi = self.hi[layer].index_select(1, flat).view(num_kv, rows, num_slots, head_dim).transpose(0, 1)
+            bound = block_upper_bound(query, lo.float(), hi.float()).amax(2)  # [R, Hkv, N]
+            bound.masked_fill_(~valid[:, None, :], float("-inf"))
         k = min(top_blocks, num_slots)
         top = bound.topk(k, dim=-1).indices                                # [R, Hkv, k]
         top_valid = valid.gather(1, top.view(rows, -1)).view(rows, num_kv, k)
         slots = slot_table.gather(1, top.view(rows, -1)).view(rows, num_kv, k)
-        heads = torch.arange(num_kv, device=slots.device)[None, :, None]
-        codes = KeyCodes(self.codes[layer][heads, slots],            # [R, Hkv, k, bs, D/2]
-                         self.lo[layer][heads, slots].unsqueeze(3),  # [R, Hkv, k, 1, D]
-                         self.hi[layer][heads, slots].unsqueeze(3))
-        keys = dequantize_keys_int4(codes).view(rows, num_kv, k * self.block_size, head_dim)
-        scores = query @ keys.transpose(-1, -2)                            # [R, Hkv, G, k*bs]
-        block_lse = scores.view(*scores.shape[:3], k, self.block_size).logsumexp(-1)  # [R, Hkv, G, k]
+        if gpu is not None:  # int4 keys dequantized in registers
+            block_lse = gpu.need_block_lse(query, self.codes[layer], self.lo[layer], self.hi[layer], slots)
+        else:
+            heads = torch.arange(num_kv, device=slots.device)[None, :, None]
+            codes = KeyCodes(self.codes[layer][heads, slots],            # [R, Hkv, k, bs, D/2]
+                             self.lo[layer][heads, slots].unsqueeze(3),  # [R, Hkv, k, 1, D]
+                             self.hi[layer][heads, slots].unsqueeze(3))
+            keys = dequantize_keys_int4(codes).view(rows, num_kv, k * self.block_size, head_dim)
+            scores = query @ keys.transpose(-1, -2)                            # [R, Hkv, G, k*bs]
+            block_lse = scores.view(*scores.shape[:3], k, self.block_size).logsumexp(-1)  # [R, Hkv, G, k]
         block_lse.masked_fill_(~top_valid[:, :, None, :], float("-inf"))
         total = torch.logaddexp(resident_lse.float(), block_lse.logsumexp(-1))  # [R, Hkv, G]
         mass = (block_lse - total[..., None]).exp()                          # [R, Hkv, G, k]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvreplay.kv.importance import block_mass
-from kvreplay.kv.quant import block_upper_bound
+from kvreplay.layers.cold_decode import add_decode_mass, cold_decode_attention, cold_picks
+from kvreplay.layers.cold_decode import probe_dropped as _probe_dropped
 from kvreplay.layers.linear import onednn_rows
 from kvreplay.layers.selection import HotSelection, mask_unselected
 from kvreplay.layers.window import window_chunk_keys, windowed_decode_meta
@@ -81,6 +82,9 @@ class ColdAttention:
     pool: "ColdPool"
     budget_blocks: int | None
     dense_layers: int = 0
+    # The Triton kernels (kernels/triton_backend.kernels()), else None: the Quest bound, and for
+    # int8/int4 blocks attention with the dequantization fused (layers/cold_decode.py).
+    triton: Any = None
     layer: int = 0
     selected_blocks: int = 0   # cold blocks attended, summed over layers and KV heads
     candidate_blocks: int = 0  # cold blocks that could have been
@@ -100,6 +104,9 @@ class AttentionMetadata:
     # The compiled causal attention for prefill chunks whose earlier positions are all resident
     # (bf16 on a CPU with AVX512-BF16; kvreplay.kernels.cpu_kernels.prefill_attention); else SDPA.
     prefill_kernel: Callable | None = None
+    # The Triton prefill attention (kernels/triton_attention.py): chunks of plain causal attention
+    # read the paged cache in place (not local layers, not chunks observed for importance).
+    paged_prefill: Callable | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     probe: NeedProbe | None = None
     cold: ColdAttention | None = None
@@ -158,6 +165,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                                     attn_mask=mask, scale=scale, enable_gqa=True)
             out[rows] = result.squeeze(0).transpose(0, 1)
             continue
+        if meta.paged_prefill is not None and chunk.causal_from is not None and not chunk.observe:
+            out[rows] = meta.paged_prefill(q[rows], key_cache, value_cache, chunk.block_table,
+                                           chunk.context_tokens, chunk.causal_from, scale)
+            continue
         if chunk.mask is None:  # nothing cached before: the chunk's own K/V suffice
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, C, D]
         else:
@@ -184,6 +195,9 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     The query heads sharing a KV head are stacked as rows, so K/V are never repeated."""
     if meta.decode_kernel is not None:
         return _kernel_decode(q, key_cache, value_cache, meta, scale)
+    if meta.cold is not None and meta.cold.triton is not None and meta.hot_selection is None \
+            and meta.cold.pool.kind in ("int8", "int4"):
+        return cold_decode_attention(q, key_cache, value_cache, meta, scale)
     num_seqs, num_q, head_dim = q.shape
     num_kv = key_cache.shape[0]
     group = num_q // num_kv
@@ -284,20 +298,6 @@ def _observe_decode(meta: AttentionMetadata, probs: torch.Tensor, width: int, nu
     meta.cold_mass = cold_mass if meta.cold_mass is None else meta.cold_mass + cold_mass
 
 
-def _probe_dropped(probe: NeedProbe, layer: int, query: torch.Tensor, lse: torch.Tensor) -> None:
-    """Estimate, for this layer, the largest attention share a dropped block would take.
-    query: [R, Hkv, G, D] scaled queries of the probed rows; lse: [R, Hkv, G] log-sum-exp of their
-    scores over the keys they attended to."""
-    mass, column = probe.key_index.max_block_mass(layer, query, probe.slot_table, probe.valid, lse,
-                                                  probe.top_blocks)
-    if probe.max_mass is None:
-        probe.max_mass, probe.flagged = mass, column
-    else:
-        larger = mass > probe.max_mass
-        probe.flagged = torch.where(larger, column, probe.flagged)
-        probe.max_mass = torch.where(larger, mass, probe.max_mass)
-
-
 def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode rows through the compiled kernel: each row reads its own blocks and length, and
@@ -318,46 +318,21 @@ def _kernel_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     return out
 
 
-def add_decode_mass(meta: AttentionMetadata, mass: torch.Tensor) -> None:
-    """Add one layer's hot-block mass [B, max_blocks] to the step's sum over layers."""
-    meta.decode_mass = mass if meta.decode_mass is None else meta.decode_mass + mass
-
-
 def _cold_blocks(cold: ColdAttention, query: torch.Tensor, num_kv: int, num_seqs: int, group: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Dequantized K, V [Hkv*B, C, D] of the cold blocks this layer attends to, which of their
     rows are real [Hkv*B, 1, C], and the slot-table columns each KV head read [Hkv, B, k]
-    (None: all). Sparse: per KV head, the top blocks by Quest bound."""
+    (None: all); `cold_picks` chooses them."""
     head_dim = query.shape[-1]
     block_size = cold.pool.block_size
-    table, valid = cold.slot_table, cold.valid                                    # [B, N]
-    num_slots = table.shape[1]
-    layer = cold.layer
-    cold.layer += 1
-    heads_valid = valid.unsqueeze(0).expand(num_kv, -1, -1)                       # [Hkv, B, N]
-    cold.candidate_blocks += int(valid.sum()) * num_kv
-    if cold.budget_blocks is None or layer < cold.dense_layers or num_slots <= cold.budget_blocks:
-        start = time.perf_counter()
-        keys, values = cold.pool.gather_all_heads(layer, table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
-        cold.dequant_seconds += time.perf_counter() - start
-        picked_valid, top = heads_valid, None
-        cold.selected_blocks += int(valid.sum()) * num_kv
+    layer, slots, picked_valid, top = cold_picks(cold, query, num_kv, num_seqs, group)
+    start = time.perf_counter()
+    if top is None:
+        keys, values = cold.pool.gather_all_heads(layer, cold.slot_table.flatten(), query.dtype)  # [Hkv, B*N, bs, D]
     else:
-        lo, hi = cold.pool.summaries(layer)                                       # [Hkv, S, D]
-        flat = table.flatten()
-        lo = lo.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-        hi = hi.index_select(1, flat).view(num_kv, num_seqs, num_slots, head_dim)
-        q = query.view(num_kv, num_seqs, group, head_dim).float()
-        bound = block_upper_bound(q, lo.float(), hi.float()).amax(2)              # [Hkv, B, N]
-        bound.masked_fill_(~heads_valid, float("-inf"))
-        top = bound.topk(cold.budget_blocks, dim=-1).indices                      # [Hkv, B, k]
-        slots = table.unsqueeze(0).expand(num_kv, -1, -1).gather(2, top)         # [Hkv, B, k]
-        picked_valid = heads_valid.gather(2, top)
-        start = time.perf_counter()
         keys, values = cold.pool.gather(layer, slots.transpose(0, 1), query.dtype)  # [B, Hkv, k, bs, D]
-        cold.dequant_seconds += time.perf_counter() - start
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)               # [Hkv, B, k, bs, D]
-        cold.selected_blocks += int(picked_valid.sum())
+    cold.dequant_seconds += time.perf_counter() - start
     picks = picked_valid.shape[-1]
     keys = keys.reshape(num_kv * num_seqs, picks * block_size, head_dim)
     values = values.reshape(num_kv * num_seqs, picks * block_size, head_dim)
