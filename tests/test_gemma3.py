@@ -1,6 +1,6 @@
 """Gemma 3 270M (models/gemma3.py) against transformers' Gemma 3 on the same dequantized weights,
 fp32, over the hybrid KV pool (kv/local_groups.py) and over the pool in which every layer keeps
-every block; its facts read from the GGUF; the inputs and settings it refuses.
+every block, greedy and beam search; its facts read from the GGUF; the inputs and settings it refuses.
 
 transformers' model is built from our loader's tensors (its GGUF path would dequantize the file a
 second time): the GGUF's norms are llama.cpp's 1 + w, transformers adds the 1 itself."""
@@ -205,6 +205,60 @@ def test_branches_and_an_abort_past_the_window(gemma32, text_ids):
             abort_output = engine.abort_request(aborted)
     assert [len(branch.token_ids) for branch in finished[kept].outputs] == [6, 6]
     assert abort_output is not None and abort_output.finish_reason == "abort"
+
+
+def _shared_local_pages(engine) -> int:
+    """Local pages held by more than one sequence's table (in any group)."""
+    holders: dict[int, int] = {}
+    for tables in engine.kv.local.tables.values():
+        for page in {page for table in tables for page in table if page >= 0}:
+            holders[page] = holders.get(page, 0) + 1
+    return sum(1 for count in holders.values() if count > 1)
+
+
+BEAM_PROMPT, BEAM_PARAMS = 603, SamplingParams(max_tokens=8, beam_width=3)
+
+
+@pytest.fixture(scope="module")
+def beams_on_the_hybrid_pool(gemma32, text_ids):
+    """Three beams over a 603-token prompt on the hybrid pool, every step checked: the beams fork
+    on the local groups' pages while the window moves past the prompt's early blocks (each beam
+    releases its share of them), and the decode crosses a block boundary at 608 tokens (the
+    shared partial block copied in every group). Returns (output, the most local pages that more
+    than one sequence held at a step)."""
+    kv, shared = gemma32.engine.kv, [0]
+
+    def _step(engine) -> None:
+        _checked(engine)
+        shared.append(_shared_local_pages(engine))
+
+    assert kv.num_used_blocks == 0
+    output = gemma32.generate(text_ids[:BEAM_PROMPT], BEAM_PARAMS, on_step=_step)
+    assert kv.num_used_blocks == 0 and not kv.local.tables  # nothing leaked
+    return output, max(shared)
+
+
+def test_beam_search_past_the_window_on_the_hybrid_pool(gemma32, text_ids, beams_on_the_hybrid_pool):
+    """The beams share local pages; their tokens are those of the pool in which every layer keeps
+    every block."""
+    hybrid, shared = beams_on_the_hybrid_pool
+    assert shared > 0, "the beams never shared a local page"
+    assert len(hybrid.token_ids) == BEAM_PARAMS.max_tokens and len(hybrid.outputs) == 1
+    full_pool = _engine_on(gemma32, hybrid_kv=False)
+    full = full_pool.generate(text_ids[:BEAM_PROMPT], BEAM_PARAMS, on_step=_checked)
+    assert full_pool.engine.kv.num_used_blocks == 0
+    assert hybrid.token_ids == full.token_ids
+
+
+@pytest.mark.slow
+def test_beam_search_past_the_window_matches_transformers(gemma32, hf_gemma, text_ids, beams_on_the_hybrid_pool):
+    """The same beams as transformers' generate(num_beams=3) on the same weights."""
+    ids = text_ids[:BEAM_PROMPT]
+    with torch.no_grad():
+        expected = hf_gemma.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=BEAM_PARAMS.max_tokens, num_beams=3, do_sample=False,
+                                     pad_token_id=0, eos_token_id=sorted(gemma32.engine.eos_token_ids))
+    assert beams_on_the_hybrid_pool[0].token_ids == expected[0, len(ids):].tolist()
 
 
 def _tiny_gguf(path, drop_key: str | None = None) -> str:
