@@ -522,3 +522,21 @@ def test_a_lone_sequence_whose_replay_finds_no_room_is_recomputed_whole(tiny_mod
     state.force_need()
     state.force_need()
     state.teardown()  # drains every request within its bound, checking each step
+
+
+def test_a_forced_need_under_the_judged_hold_leaves_the_sequence_within_its_ratio(tiny_model):
+    """Found by the state machine (long run, seed 700): replay+cold at r=0.25 with
+    replay_hold="judged", a 25-token request and forced needs with a perturbed fingerprint."""
+    state = _built_machine(tiny_model, policy="replay+cold", memory="128KiB", block_size=8, ratio=0.25,
+                           threshold=0.65, hold="judged", trim="prefill", caching=False, layered=False,
+                           batched=32, max_seqs=2)
+    state.add(beam=1, ignore_eos=False, keep=False, length=1, max_tokens=1, n=1, protected=0, seeded=False,
+              shared=0, stop=None, temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=False, length=1, max_tokens=3, n=1, protected=0, seeded=False,
+              shared=24, stop=None, temperature=0.0)
+    state.force_need()
+    state.force_need()
+    state.perturb_fingerprint(pick=0)
+    state.force_need()
+    state.force_need()
+    state.teardown()

@@ -145,6 +145,8 @@ class ReplayTracker:
         seq.approx_from = None  # whatever it recomputes is computed with everything before it
         seq.replay.kept.clear()
         seq.replay.cleared.clear()
+        if self.hold_judged:  # what it recomputes is exact: no judged block is left to wait for
+            seq.replay.judged.clear()
         self.end(seq)
         if self.loader is not None:
             self.loader.forget(seq)
