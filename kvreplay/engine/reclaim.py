@@ -23,7 +23,7 @@ of the `heavy_tokens` most attended middle blocks. The KV manager carries out ev
 """
 from __future__ import annotations
 
-from kvreplay.engine.replay import HOLD_STEPS, ReplayTracker
+from kvreplay.engine.replay import ReplayTracker
 from kvreplay.engine.sequence import Sequence
 from kvreplay.kv import KVManager
 from kvreplay.kv.policy import KVPolicy, middle_block_range, quest_selection, recent_window_tokens
@@ -146,9 +146,9 @@ class Reclaimer:
         up to `num_blocks` middle blocks of decoding sequences out of the hot tier, in reclaim
         order, for it. Returns the blocks freed (0 under the other trim modes).
 
-        A sequence that replayed in the last HOLD_STEPS steps is left alone, whatever
-        replay_hold says for the ratio cap: a request the trim still does not let in (its prefix hits are the very
-        blocks the trim frees, say) would otherwise have it replay, be trimmed and replay
+        A sequence that replayed in the last HOLD_STEPS steps (engine/replay.py) is left alone,
+        whatever replay_hold says for the ratio cap: a request the trim still does not let in
+        (its prefix hits are the very blocks the trim frees, say) would otherwise have it replay, be trimmed and replay
         again at every step without decoding a token."""
         if self.trim != "admission" or not (self.policy.drops_middle and self.policy.trims_under_pressure):
             return 0
