@@ -540,3 +540,17 @@ def test_a_forced_need_under_the_judged_hold_leaves_the_sequence_within_its_rati
     state.force_need()
     state.force_need()
     state.teardown()
+
+
+def test_a_recompute_after_a_fingerprint_mismatch_leaves_the_sequence_within_its_ratio(tiny_model):
+    """Found by the state machine (long run, seed 700): replay+cold at r=0.5 under the default
+    hold, an 88-token request whose dropped block's fingerprint is perturbed."""
+    state = _built_machine(tiny_model, policy="replay+cold", hold="middle", trim="prefill", threshold=0.2,
+                           block_size=8, memory="128KiB", ratio=0.5, caching=False, layered=False, batched=64,
+                           max_seqs=2)
+    state.add(beam=1, ignore_eos=False, keep=False, length=88, max_tokens=3, n=1, protected=0, seeded=False,
+              shared=0, stop=None, temperature=0.0)
+    state.step(count=4)
+    state.perturb_fingerprint(pick=0)
+    state.step(count=6)
+    state.teardown()

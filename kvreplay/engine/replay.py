@@ -145,7 +145,10 @@ class ReplayTracker:
         seq.approx_from = None  # whatever it recomputes is computed with everything before it
         seq.replay.kept.clear()
         seq.replay.cleared.clear()
-        if self.hold_judged:  # what it recomputes is exact: no judged block is left to wait for
+        # What it recomputes is exact and cut anew: no hold outlives the pause (a held middle,
+        # or judged blocks waiting for a token, kept the recomputed prefill over its ratio).
+        seq.replay.last_step = -1
+        if self.hold_judged:
             seq.replay.judged.clear()
         self.end(seq)
         if self.loader is not None:
