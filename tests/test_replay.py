@@ -229,6 +229,33 @@ def test_always_replay_equals_full_exactly(replay32, llm32, corpus):
     replay32.engine.check_integrity()
 
 
+def test_replay_by_whole_recompute_equals_full_exactly(replay32, llm32, corpus):
+    """A hybrid pool's replay (ReplayTracker.recomputes_whole) recomputes the whole sequence
+    instead of its dropped runs: still `full`'s tokens, a replay counted, no replay chunk run."""
+    engine = replay32.engine
+    tracker = engine.scheduler.replay
+    chunks = []
+    run = engine.runner.run
+
+    def spy(batch, **kwargs):
+        chunks.extend(batch.replays)
+        return run(batch, **kwargs)
+
+    prompts = [corpus[1000:1900], corpus[9000:10200]]
+    tracker.recomputes_whole, engine.runner.run = True, spy
+    try:
+        outputs = replay32.generate(prompts, PARAMS, on_step=_check(replay32))
+    finally:
+        tracker.recomputes_whole = False
+        del engine.runner.run
+    for out, ref in zip(outputs, llm32.generate(prompts, PARAMS)):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        stats = out.outputs[0].stats
+        assert stats.dropped_tokens > 0 and stats.replays >= 1 and stats.replay_mismatches == 0
+    assert not chunks, "a dropped run was replayed alone"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_fingerprint_mismatch_recomputes_the_whole_sequence(replay32, llm32, corpus):
     engine = replay32.engine
     kv = engine.kv

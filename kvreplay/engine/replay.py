@@ -41,6 +41,10 @@ class ReplayTracker:
         self.replayable = replayable          # False: dropped means evicted for good (snapkv, h2o, window)
         self.threshold = threshold            # need share above which a dropped block comes back
         self.loader = None  # the session tier's TierLoader (engine/tier_loads.py), when one is on
+        # A hybrid pool's local layers keep only their window, and a dropped block's K/V at a
+        # global layer depend on every local window before it, layer by layer: no dropped run
+        # can be recomputed alone, so a replay recomputes the whole sequence (still exact).
+        self.recomputes_whole = bool(kv.local.num_groups)
 
     # ------------------------------------------------------------------ questions
     def wants_replay(self, seq: Sequence) -> bool:
@@ -99,6 +103,8 @@ class ReplayTracker:
         block alone when the cache holds it, else those before it; otherwise all. False when
         the replay has nothing left to bring back (it ends)."""
         kv = self.kv
+        if self.recomputes_whole:  # (the recompute adopts whatever the prefix cache holds)
+            return bool(self.replay_left(seq))
         if seq.replay.until is None:
             restored = kv.restore_cached(seq.seq_id, seq.token_ids)
         else:

@@ -265,6 +265,9 @@ class Scheduler:
         if not self.replay.restore_cached(seq, self.num_steps):
             # everything came back from the prefix cache: a resumed session prefills its new turn now
             return self._schedule_prefill(seq, budget, batch) if seq.num_uncomputed_tokens > 1 else 0
+        if self.replay.recomputes_whole:
+            self._recompute_for_replay(seq)
+            return 0
         dropped = self.replay.replay_left(seq)
         stop = self.replay.replay_stop(seq)  # a tail read from the session tier meanwhile
         run = [index for offset, index in enumerate(dropped) if index == dropped[0] + offset
@@ -359,6 +362,16 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _recompute_for_replay(self, seq: Sequence) -> None:
+        """A replay on a hybrid pool (ReplayTracker.recomputes_whole): recompute all of `seq`;
+        a need-replay's middle is held afterwards as after any need-replay."""
+        needed, judged, kept = seq.replay.needed, set(seq.replay.judged), set(seq.replay.kept)
+        self.recompute(seq)
+        if needed:  # (judged: asked for once per token, as a replayed block is: no livelock)
+            seq.replay.last_step = self.num_steps
+            seq.replay.judged |= judged
+            seq.replay.kept |= kept
 
     def _release_paused_pins(self, exclude: Sequence | None) -> bool:
         """Last resort when pinned heads of paused sequences fill the pool: drop one entirely,
