@@ -229,11 +229,16 @@ def test_always_replay_equals_full_exactly(replay32, llm32, corpus):
     replay32.engine.check_integrity()
 
 
-def test_replay_by_whole_recompute_equals_full_exactly(replay32, llm32, corpus):
+def test_replay_by_whole_recompute_equals_full_exactly(tiny_model):
     """A hybrid pool's replay (ReplayTracker.recomputes_whole) recomputes the whole sequence
     instead of its dropped runs: still `full`'s tokens, a replay counted, no replay chunk run."""
-    engine = replay32.engine
-    tracker = engine.scheduler.replay
+    from token_helpers import seeded_tokens
+    knobs = dict(model=tiny_model, dtype="float32", kv_cache_memory="1MiB", block_size=8,
+                 enable_prefix_caching=False)
+    replay = LLM(policy="replay", trim="prefill", window_tokens=32, replay_threshold=0.0, need_layers="all",
+                 heavy_tokens=0, **knobs)
+    engine = replay.engine
+    engine.scheduler.replay.recomputes_whole = True
     chunks = []
     run = engine.runner.run
 
@@ -241,14 +246,10 @@ def test_replay_by_whole_recompute_equals_full_exactly(replay32, llm32, corpus):
         chunks.extend(batch.replays)
         return run(batch, **kwargs)
 
-    prompts = [corpus[1000:1900], corpus[9000:10200]]
-    tracker.recomputes_whole, engine.runner.run = True, spy
-    try:
-        outputs = replay32.generate(prompts, PARAMS, on_step=_check(replay32))
-    finally:
-        tracker.recomputes_whole = False
-        del engine.runner.run
-    for out, ref in zip(outputs, llm32.generate(prompts, PARAMS)):
+    engine.runner.run = spy
+    prompts = [seeded_tokens(300, 1), seeded_tokens(180, 2)]
+    outputs = replay.generate(prompts, PARAMS, on_step=_check(replay))
+    for out, ref in zip(outputs, LLM(**knobs).generate(prompts, PARAMS)):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         stats = out.outputs[0].stats
         assert stats.dropped_tokens > 0 and stats.replays >= 1 and stats.replay_mismatches == 0
