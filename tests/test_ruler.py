@@ -235,3 +235,18 @@ def test_context_first_cuts_before_the_question_and_full_writes_the_same_answers
     for row in results[True]["snapkv@0.25"]:
         assert row["stats"]["prefix_hit_tokens"] > 0 and row["stats"]["dropped_tokens"] <= 16
         assert row["resident_first"] <= 0.3
+
+
+def test_a_base_model_needs_a_chat_template_and_plain_frames_its_text():
+    """Gemma 3 270M is a base model: no template of its own, a clear error before it loads;
+    `--chat-template plain` frames the prompt as BOS + the text + a newline."""
+    from kvreplay.bench.ruler import ruler_suite
+    from kvreplay.models.loader import load_tokenizer
+    with pytest.raises(ValueError, match="--chat-template plain"):
+        ruler_suite(EngineConfig(model="gemma3-270m"), RulerSpec(tasks=("niah_single_1",), lengths=(4096,),
+                                                                 cases=1), ["full"], progress=False)
+    plain = TextKit(load_tokenizer("gemma3-270m", "plain"))
+    before, after = plain.frame(1)
+    assert before == [plain.tokenizer.bos_token_id] and plain.decode(after) == "\n"
+    case = make_case(plain, "niah_single_2", 1024, 0, seed=0)
+    assert case.prompt_token_ids[0] == plain.tokenizer.bos_token_id and len(case.prompt_token_ids) == 1024

@@ -261,7 +261,12 @@ def ruler_suite(config: EngineConfig, spec: RulerSpec, policies: list[str] | Non
     runs = plan_runs(policies or default_policies(), spec.ratios)
     model_config = read_model_config(config.model)
     spec.check_context(config.max_model_len or model_config.max_position_embeddings)
-    kit = TextKit(load_tokenizer(config.model))
+    tokenizer = load_tokenizer(config.model, config.chat_template)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{config.model or 'the model'} has no chat template (a base model?): the suite frames "
+                         "its prompts with one; pass --chat-template plain (plain text, RULER's setting for "
+                         "base models) or a template file")
+    kit = TextKit(tokenizer)
     cases = make_cases(kit, spec)
     memory = pool_bytes(spec, model_config, config.torch_dtype, config.block_size, config.watermark_levels.low)
     base = replace(config, kv_cache_memory=memory, enable_prefix_caching=False,

@@ -20,7 +20,8 @@ lies between the weakest planted and the loudest ordinary share on the layers it
 budget is the smallest number of middle blocks that held the needle's block among the most
 observed ones (the prompt's last queries, as the engine scores them) in every case: at least 2,
 at most 8 blocks. Models with fewer than 8 layers, or without a file to key the result by, skip
-the pass and read every layer with 2 heavy blocks and a threshold of 0.65.
+the pass and read every layer with 2 heavy blocks and a threshold of 0.65; a sliding-window
+model (Gemma 3) skips it too and reads its global layers, the only ones a dropped block leaves.
 
 The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
 the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
@@ -169,6 +170,10 @@ def lookup(source: str, dtype: torch.dtype = torch.bfloat16, block_size: int = 1
 def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
     """The cached calibration of this model and block size, else a fresh pass (then cached)."""
     num_layers = model.config.num_layers
+    local = set(model.config.local_layers or ()) if model.config.sliding_window else set()
+    if local:  # the detector reads what a dropped block leaves: the global layers' keys
+        return Calibration(tuple(i for i in range(num_layers) if i not in local), HEAVY_BLOCKS[0] * block_size,
+                           "the global layers: a sliding-window model's local layers keep no dropped block")
     digest = model_digest(source) if num_layers >= MIN_LAYERS else None
     if digest is None:
         why = f"fewer than {MIN_LAYERS} layers" if num_layers < MIN_LAYERS else "no model file to key a calibration by"

@@ -159,16 +159,22 @@ def _load_hf_directory(path: str) -> LoadedModel:
     return LoadedModel(config, weights, load_tokenizer(path), path)
 
 
-def load_tokenizer(model: str | None):
-    """The model's tokenizer without its weights (GGUF ones are cached on disk)."""
+def load_tokenizer(model: str | None, chat_template: str | None = None):
+    """The model's tokenizer without its weights (GGUF ones are cached on disk); `chat_template`
+    replaces the model's as in `load_model`."""
+    template = read_chat_template(chat_template) if chat_template else None
     path = resolve_model_path(model)
     if not os.path.isdir(path):
-        return _gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types here
-        raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+        tokenizer = _gguf_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # transformers raises many types here
+            raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 # ---------------------------------------------------------------- GGUF
