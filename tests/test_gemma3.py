@@ -319,16 +319,9 @@ def test_replay_is_refused_with_the_span_a_recompute_needs(policy):
         LLM(model=MODEL, policy=policy)
 
 
-@pytest.mark.parametrize("policy", ["sparse", "quest"])
-def test_cold_and_quest_are_refused(policy):
-    ratio = {"resident_ratio": 0.25} if policy == "quest" else {}
-    with pytest.raises(ValueError, match="not supported for gemma3 yet"):
-        LLM(model=MODEL, policy=policy, **ratio)
-
-
-@pytest.mark.parametrize("policy", ["window", "snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["window", "sparse", "snapkv", "h2o", "quest"])
 def test_lossy_policies_without_the_hybrid_pool_are_refused(policy):
-    ratio = {"resident_ratio": 0.25} if policy in ("snapkv", "h2o") else {}
+    ratio = {"resident_ratio": 0.25} if policy in ("snapkv", "h2o", "quest") else {}
     with pytest.raises(ValueError, match="needs hybrid_kv=True.*read the global table by position"):
         LLM(model=MODEL, policy=policy, hybrid_kv=False, **ratio)
 

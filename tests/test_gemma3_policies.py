@@ -76,7 +76,10 @@ def window_run(gemma32, text_ids):
 
 @pytest.mark.parametrize("knobs", [{"policy": "window", "window_tokens": 2048},
                                    {"policy": "snapkv", "resident_ratio": 1.0},
-                                   {"policy": "h2o", "resident_ratio": 1.0}], ids=["window", "snapkv", "h2o"])
+                                   {"policy": "h2o", "resident_ratio": 1.0},
+                                   {"policy": "quest", "resident_ratio": 1.0},
+                                   {"policy": "sparse", "window_tokens": 2048}],
+                         ids=["window", "snapkv", "h2o", "quest", "sparse"])
 def test_nothing_to_drop_gives_fulls_tokens(gemma32, text_ids, full_run, knobs):
     output, _ = _run(_engine_on(gemma32, **knobs), text_ids[:PROMPT])
     assert output.stats.dropped_tokens == 0
@@ -92,19 +95,55 @@ def test_window_drops_the_global_middle_only(window_run):
     assert output.stats.dropped_tokens == 16 * dropped_counts[-1]
 
 
-def test_local_layers_see_no_global_drop(full_run, window_run):
-    """Layers 0-4 (local, before any global layer) give the same deltas at every decode step
-    with and without the window's drops; layer 5, global, does not: the drops changed what the
-    global layers read, and the local layers still read their windows at true positions."""
-    (full, full_records), ((window, window_records), _) = full_run, window_run
-    assert window.token_ids == full.token_ids  # the same inputs at every decode step
-    assert [index for index, _ in window_records] == [index for index, _ in full_records]
-    assert len(window_records) == 6 * (PARAMS.max_tokens - 1)
-    for (index, ours), (_, theirs) in zip(window_records, full_records):
+def _same_local_deltas(run, full_run) -> None:
+    """Layers 0-4 (local, before any global layer) give the same deltas at every decode step as
+    under `full`; layer 5, global, does not: the policy changed what the global layers read,
+    while the local layers still read their windows at true positions."""
+    (output, records), (full, full_records) = run, full_run
+    assert output.token_ids == full.token_ids  # the same inputs at every decode step
+    assert [index for index, _ in records] == [index for index, _ in full_records]
+    assert len(records) == 6 * (PARAMS.max_tokens - 1)
+    for (index, ours), (_, theirs) in zip(records, full_records):
         if index < FIRST_GLOBAL:
             assert torch.equal(ours, theirs), f"local layer {index} changed"
     first_global = next(i for i, (index, _) in enumerate(full_records) if index == FIRST_GLOBAL)
-    assert not torch.equal(window_records[first_global][1], full_records[first_global][1])
+    assert not torch.equal(records[first_global][1], full_records[first_global][1])
+
+
+def test_local_layers_see_no_global_drop(full_run, window_run):
+    _same_local_deltas(window_run[0], full_run)
+
+
+def test_sparse_demotes_the_global_middle_and_attends_to_its_best_blocks(gemma32, text_ids, full_run):
+    """sparse (int8, 4 cold blocks a step) with a 128-token window: the global middle goes cold as
+    it leaves the window, nothing is dropped, the cold tier holds the global layers only, and
+    the local layers read their windows as under full."""
+    llm = _engine_on(gemma32, policy="sparse", window_tokens=128, sink_tokens=16, sparse_budget=64)
+    kv = llm.engine.kv
+    assert kv.cold_pool.num_layers == len(kv.storages) == 3
+
+    def step(engine) -> None:
+        for seq_id in kv.local.tables:
+            num_tokens = kv.num_slots(seq_id)
+            cold = kv.cold_blocks(seq_id)
+            assert cold == (list(middle_block_range(num_tokens, 16, 128, 16)) if num_tokens >= PROMPT else [])
+            assert _dropped(kv, seq_id) == set(cold) and kv.cold_pool.num_used == len(cold)
+
+    run = _run(llm, text_ids[:PROMPT], step)
+    assert run[0].stats.cold_blocks > 0 and kv.cold_pool.num_used == 0
+    _same_local_deltas(run, full_run)
+
+
+def test_quest_reads_a_share_of_the_global_blocks(gemma32, text_ids, full_run):
+    """quest at r = 0.3 keeps every block; each decode step's global layers read a subset of the
+    middle, the local layers their windows as under full."""
+    llm = _engine_on(gemma32, policy="quest", resident_ratio=0.3)
+    kv = llm.engine.kv
+
+    def step(engine) -> None:
+        assert not any(_dropped(kv, seq_id) for seq_id in kv.local.tables)
+
+    _same_local_deltas(_run(llm, text_ids[:PROMPT], step), full_run)
 
 
 def test_snapkv_keeps_the_most_observed_middle_blocks(gemma32, text_ids):

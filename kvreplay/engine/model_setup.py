@@ -58,19 +58,16 @@ def check_sliding_window(config: EngineConfig, model_config: ModelConfig) -> Non
     if not hybrid(config, model_config):
         raise ValueError(f"policy={config.policy!r} on {name} needs hybrid_kv=True: with every layer keeping "
                          "every block, its sliding-window layers would read the global table by position, "
-                         "which a dropped block shifts; set hybrid_kv=True or use policy='full'")
+                         "which a dropped or cold block shifts, and take Quest's selection meant for the "
+                         "global layers; set hybrid_kv=True or use policy='full'")
     if policy.keeps_key_index:
         local, window = len(model_config.local_layers), model_config.sliding_window
         raise ValueError(
             f"policy={config.policy!r} is not supported for {name}: an exact recompute of a dropped range "
             f"at position a needs each of its {local} sliding-window layers' window before a, and those "
             f"depend on earlier windows layer by layer, so the recompute would reach back {local} x "
-            f"({window} - 1) = {replay_span_tokens(model_config):,} tokens; use policy='window', "
-            "'snapkv' or 'h2o' (they act on the global layers only) or 'full'")
-    if policy.demotes or policy.selects_per_step:
-        raise ValueError(f"policy={config.policy!r} is not supported for {name} yet: the cold tier and Quest's "
-                         "selection are not built over the global layers alone; use policy='window', "
-                         "'snapkv', 'h2o' or 'full'")
+            f"({window} - 1) = {replay_span_tokens(model_config):,} tokens; use a policy that acts on the "
+            "global layers only (window, sparse, snapkv, h2o, quest) or full")
     if config.layered_prefill:
         raise ValueError(f"layered_prefill is not supported for {name}: its layer-at-a-time pass has one "
                          "RoPE and one table for every layer; turn it off")
