@@ -244,7 +244,8 @@ class EngineConfig:
         type=int, default_help="all: every cold block",
         check=lambda name, value, owner: check_int(name, value, owner.block_size, optional=True))
     dense_layers: int = knob(
-        0, "first layers that attend to every cold block whatever sparse_budget says",
+        0, "first layers that attend to every cold block whatever sparse_budget says (on a "
+           "sliding-window model: its first global layers, the only ones with a cold tier)",
         check=ints(0))
     heavy_tokens: int | str = knob(
         AUTO, "middle tokens per sequence kept hot beside the window: the blocks with the most "

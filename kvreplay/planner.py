@@ -197,6 +197,7 @@ class PolicyPlan:
     index_bytes: int = 0
     summary_bytes: int = 0
     max_concurrency: int | None = None
+    hybrid_bytes: int | None = None  # a sliding-window model's hybrid pool, HYBRID_POLICIES only
 
     @property
     def resident_bytes(self) -> int:
@@ -289,6 +290,9 @@ for _name, _fn in (("full", _full), ("window", _window), ("replay", _replay), ("
     register_policy(_name, _fn)
 
 DEFAULT_POLICIES = ["full", "window", "replay", "sparse:int8", "sparse:fp8", "sparse:int4"]
+# What the engine serves on a sliding-window model (engine/model_setup.py), acting on its global
+# layers only: those keep the policy's hot blocks, the local layers their window.
+HYBRID_POLICIES = ("full", "window", "sparse", "snapkv", "h2o", "quest")
 
 
 def parse_policy(spec: str) -> tuple[str, str | None]:
@@ -374,6 +378,12 @@ def plan(dims: KVDims, context_tokens: int, knobs: PlanKnobs = PlanKnobs(),
         tokens = group.needed_tokens(context_tokens, knobs.block_size)
         result.layer_groups.append(asdict(group) | {"hybrid_tokens": tokens,
                                                     "hybrid_bytes": tokens * group.bytes_per_token})
+    if dims.num_local_layers:  # the global layers' share of a row, plus the local windows
+        local_bytes, share = result.hybrid_bytes - result.layer_groups[0]["hybrid_bytes"], \
+            result.layer_groups[0]["bytes_per_token"] / result.bytes_per_token
+        for p in result.policies:
+            if p.policy.split(":")[0] in HYBRID_POLICIES:
+                p.hybrid_bytes = round(p.resident_bytes * share) + local_bytes
     return result
 
 

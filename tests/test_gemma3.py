@@ -311,11 +311,24 @@ def test_context_over_the_models_is_refused(gemma32):
         gemma32.generate([2] * 32769, SamplingParams(max_tokens=1))
 
 
-@pytest.mark.parametrize("policy", ["window", "replay", "sparse", "replay+cold", "snapkv", "h2o", "quest"])
-def test_lossy_policies_are_refused(policy):
+@pytest.mark.parametrize("policy", ["replay", "replay+cold"])
+def test_replay_is_refused_with_the_span_a_recompute_needs(policy):
+    """An exact recompute at position a needs every local layer's window before a, each resting
+    on the windows of the local layers below it: 15 x 511 tokens back on the 270M model."""
+    with pytest.raises(ValueError, match=r"reach back 15 x \(512 - 1\) = 7,665 tokens"):
+        LLM(model=MODEL, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["window", "sparse", "snapkv", "h2o", "quest"])
+def test_lossy_policies_without_the_hybrid_pool_are_refused(policy):
     ratio = {"resident_ratio": 0.25} if policy in ("snapkv", "h2o", "quest") else {}
-    with pytest.raises(ValueError, match="not supported for gemma3"):
-        LLM(model=MODEL, policy=policy, **ratio)
+    with pytest.raises(ValueError, match="needs hybrid_kv=True.*read the global table by position"):
+        LLM(model=MODEL, policy=policy, hybrid_kv=False, **ratio)
+
+
+def test_layered_prefill_is_refused():
+    with pytest.raises(ValueError, match="layered_prefill is not supported for gemma3"):
+        LLM(model=MODEL, policy="window", layered_prefill=True)
 
 
 def test_session_tier_over_the_hybrid_pool_is_refused():

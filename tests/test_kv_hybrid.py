@@ -164,3 +164,55 @@ def test_blocks_per_layer_group_in_metrics():
     text = ServerMetrics(lambda: EngineSnapshot(blocks_by_group=groups)).render().decode()
     assert 'kvreplay_kv_blocks_by_group{group="local",state="cached"} 8.0' in text
     assert 'kvreplay_kv_blocks_by_group{group="global",state="used"} 6.0' in text
+
+
+def test_local_metadata_reads_true_positions_whatever_the_global_layers_dropped():
+    """A lossy policy drops global blocks 1 and 2 of a 24-token sequence: the global decode row
+    reads its 5 resident blocks (17 tokens), but each local group's row reads its own table to
+    position 24 (context 25), its window 17..24 exactly, and carries none of the global layers'
+    extras (probe, importance); a chunk's local slice counts keys from position 0."""
+    from kvreplay.engine.local_meta import local_group_metas
+    from kvreplay.engine.sequence import Sequence
+    from kvreplay.layers.attention import AttentionMetadata, PrefillSlice, paged_attention
+    from kvreplay.sampling import SamplingParams
+    kv = _pool(64)
+    seq = Sequence("r", list(range(100, 125)), SamplingParams(max_tokens=4), set(), None)
+    kv.add_sequence(seq.seq_id)
+    _step(kv, seq.seq_id, seq.token_ids, 24)
+    kv.drop(seq.seq_id, [1, 2], keep_index=False)
+    assert kv.allocate(seq.seq_id, 1)
+    seq.num_computed_tokens = 24
+    resident = kv.resident_blocks(seq.seq_id)
+    assert len(resident) == 5
+    meta = AttentionMetadata(slot_mapping=torch.tensor([resident[-1] * BLOCK]), num_decode_tokens=1,
+                             decode_block_tables=torch.tensor([resident]), decode_context=torch.tensor([17]),
+                             observe_decode=True, probe=object())
+    locals_ = local_group_metas(kv, meta, [seq], [])
+    assert len(locals_) == 2
+    for group, local in enumerate(locals_):
+        table = kv.local.group_table(seq.seq_id, group)
+        assert local.decode_context.tolist() == [25] and local.decode_block_tables.tolist() == [table]
+        assert local.slot_mapping.tolist() == [table[6] * BLOCK]
+        assert local.probe is None and not local.observe_decode and local.decode_kernel is None
+    # Layer 0 (group 0, storage 0): its output is softmax attention over positions 17..24 as
+    # the group's pages hold them.
+    torch.manual_seed(0)
+    for storage in kv.storages:
+        storage.normal_()
+    q, k, v = torch.randn(1, 2, 2), torch.randn(1, 1, 2), torch.randn(1, 1, 2)  # [T, H, D]
+    out = paged_attention(q, k, v, kv.kv_caches[0], locals_[0], scale=1.0, window=WINDOW)
+    table = kv.local.group_table(seq.seq_id, 0)
+    rows = [(table[p // BLOCK], p % BLOCK) for p in range(17, 25)]
+    keys = torch.stack([kv.kv_caches[0][0, 0, page, row] for page, row in rows])    # [8, D]
+    values = torch.stack([kv.kv_caches[0][1, 0, page, row] for page, row in rows])  # [8, D]
+    expected = torch.softmax(q[0] @ keys.T, dim=-1) @ values                        # [H, D]
+    torch.testing.assert_close(out[0], expected)
+    # a chunk over positions 24..25 after the drops: keys from position 0, queries from 24
+    piece = PrefillSlice(0, 1, 3 * BLOCK, torch.tensor(resident[:3]), torch.ones(1, 12, dtype=torch.bool))
+    chunk_meta = AttentionMetadata(slot_mapping=torch.tensor([0]), prefills=[piece])
+    (local_piece,) = local_group_metas(kv, chunk_meta, [], [(seq, 24, 25)])[1].prefills
+    assert (local_piece.causal_from, local_piece.context_tokens) == (24, 25)
+    assert local_piece.block_table.tolist() == kv.local.group_table(seq.seq_id, 1)
+    kv.free(seq.seq_id)
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0

@@ -106,9 +106,10 @@ def run_plan(args) -> int:
         print()
         return 0
     print(render(dims, knobs, plans))
-    if dims.num_local_layers:  # sliding-window models run under full only (engine/model_setup.py)
-        print("\nthe engine serves this sliding-window model under policy full only, for now; its "
-              "hybrid pool holds the hybrid figure (the policies' rows count every layer's blocks)")
+    if dims.num_local_layers:  # the engine's refusals: engine/model_setup.py
+        print("\nthe engine serves this sliding-window model through its hybrid pool under "
+              f"{', '.join(planner.HYBRID_POLICIES)}, acting on its global layers only (the rows count "
+              "every layer's blocks; the hybrid lines what the engine holds); not replay or replay+cold")
     elif args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
         print("\n" + replay_knobs_line(dims.source, knobs.block_size))
     return 0
@@ -170,6 +171,8 @@ def render(dims: planner.KVDims, knobs: planner.PlanKnobs, plans: list[planner.R
                          f"{fmt(request.hybrid_bytes)}, "
                          f"{request.hybrid_bytes / request.context_tokens:,.0f} bytes per token, "
                          f"{request.full_bytes / request.hybrid_bytes:.2f}x less than full")
+            lines += [f"    {p.policy:<16}{fmt(p.hybrid_bytes):<30}{p.hybrid_bytes / request.full_bytes:>7.3f}x"
+                      for p in request.policies if p.hybrid_bytes is not None and p.policy != "full"]
         if request.tier_sessions:
             held = "; ".join(f"{level} holds {count:,}" for level, count in request.tier_sessions.items())
             lines.append(f"  session tier (full blocks of this context per session): {held}")

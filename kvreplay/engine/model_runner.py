@@ -152,7 +152,8 @@ class ModelRunner:
             rows.sampled.append(seq)
         meta.num_decode_tokens = len(tables)
         cfg = self.model.config
-        result.hot_reads = sum(map(len, tables)) * cfg.num_layers * cfg.num_kv_heads
+        # the layers that read these tables: every one, or a hybrid pool's global ones (its storages)
+        result.hot_reads = sum(map(len, tables)) * len(self.kv.storages) * cfg.num_kv_heads
         if self.detect_need:
             meta.probe = self._probe(batch.decodes, probed)
         if self.kv.cold_pool is not None:

@@ -27,21 +27,50 @@ class EngineModel:
 
 def check_model_settings(config: EngineConfig, model_config: ModelConfig) -> int:
     """The engine's context (max_model_len, default the model's); ValueError for settings this
-    model cannot serve. Sliding-window layers read their window by table position
-    (layers/window.py), so every block must stay hot: only the full policy, for now."""
+    model cannot serve (a sliding-window model's: `check_sliding_window`)."""
     context = model_config.max_position_embeddings
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context ({context} "
                          f"tokens): lower it to {context} or less")
-    if model_config.sliding_window is not None and config.kv_policy.name != "full":
-        raise ValueError(f"policy={config.policy!r} is not supported for {model_config.architecture} "
-                         "yet: its sliding-window layers need every block hot; use policy='full'")
+    if model_config.sliding_window is not None:
+        check_sliding_window(config, model_config)
     if hybrid(config, model_config) and (config.kv_tier_memory_bytes or config.kv_tier_dir):
         raise ValueError("the session tier (kv_tier_memory / kv_tier_dir) stores every layer of a block: "
                          f"it does not take {model_config.architecture}'s hybrid KV pool yet; turn the "
                          "tier off or set hybrid_kv=False")
     return max_model_len
+
+
+def replay_span_tokens(model_config: ModelConfig) -> int:
+    """How far back an exact recompute of a dropped range must reach on a sliding-window model:
+    each local layer's K/V at a position read the window - 1 positions before it in the layer
+    below, so the range's first position depends on every local layer's window in turn."""
+    return len(model_config.local_layers) * (model_config.sliding_window - 1)
+
+
+def check_sliding_window(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A sliding-window model's lossy policies act on its global layers only, through the hybrid
+    pool (its local layers keep their own window, read by position: engine/local_meta.py)."""
+    policy, name = config.kv_policy, model_config.architecture
+    if policy.name == "full":
+        return
+    if not hybrid(config, model_config):
+        raise ValueError(f"policy={config.policy!r} on {name} needs hybrid_kv=True: with every layer keeping "
+                         "every block, its sliding-window layers would read the global table by position, "
+                         "which a dropped or cold block shifts, and take Quest's selection meant for the "
+                         "global layers; set hybrid_kv=True or use policy='full'")
+    if policy.keeps_key_index:
+        local, window = len(model_config.local_layers), model_config.sliding_window
+        raise ValueError(
+            f"policy={config.policy!r} is not supported for {name}: an exact recompute of a dropped range "
+            f"at position a needs each of its {local} sliding-window layers' window before a, and those "
+            f"depend on earlier windows layer by layer, so the recompute would reach back {local} x "
+            f"({window} - 1) = {replay_span_tokens(model_config):,} tokens; use a policy that acts on the "
+            "global layers only (window, sparse, snapkv, h2o, quest) or full")
+    if config.layered_prefill:
+        raise ValueError(f"layered_prefill is not supported for {name}: its layer-at-a-time pass has one "
+                         "RoPE and one table for every layer; turn it off")
 
 
 def load_engine_model(config: EngineConfig) -> EngineModel:

@@ -86,8 +86,8 @@ class KVManager:
         # The need detector's int4 keys, for the layers it reads (index_layers; None: all).
         self.key_index = KeyIndex(num_layers, num_kv_heads, block_size, head_dim, device,
                                   layers=index_layers)
-        self.cold_pool = ColdPool(num_layers, num_kv_heads, block_size, head_dim, cold_dtype, device) \
-            if cold_dtype else None
+        self.cold_pool = ColdPool(len(self.storages), num_kv_heads, block_size, head_dim, cold_dtype, device) \
+            if cold_dtype else None  # the layers that keep every block: a hybrid pool's global ones
         # Helpers this manager owns: moves between tiers (with the dropped records and the
         # reservation) and layered prefills (with their working memory).
         self.tiers = TierMoves(self)

@@ -102,7 +102,8 @@ class TierMoves:
         before = self.kv.pool.num_free
         blocks = self._hot_blocks(seq_id, block_indices)
         fingerprints = self.fingerprint(blocks).cpu()
-        cold_slots = self.kv.cold_pool.add(self._gather(blocks, 0), self._gather(blocks, 1))
+        storages = self.kv.storages  # every layer, or a hybrid pool's global layers (its cold tier's)
+        cold_slots = self.kv.cold_pool.add(self._gather(blocks, 0, storages), self._gather(blocks, 1, storages))
         self._vacate(seq_id, block_indices, [DroppedBlock(None, fingerprint, cold_slot)
                                              for cold_slot, fingerprint in zip(cold_slots, fingerprints)])
         return self.kv.pool.num_free - before
@@ -147,9 +148,10 @@ class TierMoves:
             f"seq {seq_id}: only hot, unshared blocks can leave the hot tier"
         return torch.tensor([table[i] for i in block_indices], device=self.kv.kv_caches[0].device)
 
-    def _gather(self, blocks: torch.Tensor, side: int) -> torch.Tensor:
-        """K (side 0) or V (side 1) of `blocks` in every layer: [L, Hkv, n, block_size, D]."""
-        return torch.stack([cache[side].index_select(1, blocks) for cache in self.kv.kv_caches])
+    def _gather(self, blocks: torch.Tensor, side: int, caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """K (side 0) or V (side 1) of `blocks` in every layer (or in `caches`): [L, Hkv, n, block_size, D]."""
+        caches = self.kv.kv_caches if caches is None else caches
+        return torch.stack([cache[side].index_select(1, blocks) for cache in caches])
 
     def _vacate(self, seq_id: int, block_indices: list[int], records: list[DroppedBlock]) -> None:
         """Release the hot blocks at `block_indices` (a cached one waits in the LRU: a free

@@ -4,8 +4,9 @@ A local layer (Gemma 3's, docs/architecture.md "Gemma 3") lets the query at posi
 positions p - window + 1 .. p: its own and the window - 1 before it. The cache is the same pool
 every layer uses; only the keys read and the mask change, so these layers take the PyTorch path
 (the compiled kernels have no window). Positions follow table columns here (column j of a
-sequence's table holds positions j*bs .. j*bs + bs - 1): true while nothing is dropped, which is
-why sliding-window models run only under policies that keep every block hot (engine/model_setup.py).
+sequence's table holds positions j*bs .. j*bs + bs - 1): a local group's table under the hybrid
+pool, which a lossy policy never drops from (engine/local_meta.py hands it with true positions);
+the lossy policies need that pool (engine/model_setup.py).
 
     positions     0 ............ p-window | p-window+1 ....... p | p+1 ...
     query p sees  no                      | yes                  | no (future)
@@ -54,7 +55,7 @@ def windowed_decode_meta(meta, window: int, block_size: int, num_kv: int):
     """`meta` (an AttentionMetadata) with its decode rows reading only their windows, through
     the PyTorch path (no compiled kernel)."""
     assert meta.probe is None and meta.cold is None and meta.hot_selection is None \
-        and not meta.observe_decode, "sliding-window layers run under the full policy only"
+        and not meta.observe_decode, "a lossy policy's extras act on the global layers only"
     tables, padding = decode_window_tables(meta.decode_block_tables, meta.decode_context, window, block_size)
     return dataclasses.replace(meta, decode_block_tables=tables, decode_kernel=None,
                                decode_padding=padding.repeat(num_kv, 1).unsqueeze(1))  # [Hkv*B, 1, L]
@@ -65,14 +66,15 @@ def window_chunk_keys(chunk, keys: torch.Tensor, values: torch.Tensor, key_cache
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K, V [Hkv, L, D] a prefill chunk's window covers and its mask [C, L].
 
-    chunk: a PrefillSlice whose keys are positions 0 .. context_tokens - 1 (causal_from set);
-    keys, values: the chunk's own [Hkv, C, D] (used when nothing was cached before it); caches:
-    [Hkv, num_blocks, bs, D]. Only keys from the first query's window start on are read."""
-    query_start = 0 if chunk.mask is None else chunk.causal_from
-    assert query_start is not None, "sliding-window layers need every earlier block resident"
+    chunk: a PrefillSlice whose keys are positions 0 .. context_tokens - 1 (causal_from set; its
+    mask is not read); keys, values: the chunk's own [Hkv, C, D] (used when the chunk starts at
+    position 0); caches: [Hkv, num_blocks, bs, D]. Only keys from the first query's window start
+    on are read."""
+    query_start = chunk.causal_from
+    assert query_start is not None, "a local layer reads its window by position: every column in order"
     num_queries = chunk.token_end - chunk.token_start
     start = window_start(query_start, window)
-    if chunk.mask is None:  # nothing cached before: the chunk's own K/V, positions 0 ..
+    if query_start == 0:  # nothing cached before: the chunk's own K/V, positions 0 ..
         keys, values = keys[:, start:], values[:, start:]
     else:
         num_kv, _, block_size, head_dim = key_cache.shape
