@@ -42,13 +42,6 @@ def check_model_settings(config: EngineConfig, model_config: ModelConfig) -> int
     return max_model_len
 
 
-def replay_span_tokens(model_config: ModelConfig) -> int:
-    """How far back an exact recompute of a dropped range must reach on a sliding-window model:
-    each local layer's K/V at a position read the window - 1 positions before it in the layer
-    below, so the range's first position depends on every local layer's window in turn."""
-    return len(model_config.local_layers) * (model_config.sliding_window - 1)
-
-
 def check_sliding_window(config: EngineConfig, model_config: ModelConfig) -> None:
     """A sliding-window model's lossy policies act on its global layers only, through the hybrid
     pool (its local layers keep their own window, read by position: engine/local_meta.py)."""
@@ -60,14 +53,12 @@ def check_sliding_window(config: EngineConfig, model_config: ModelConfig) -> Non
                          "every block, its sliding-window layers would read the global table by position, "
                          "which a dropped or cold block shifts, and take Quest's selection meant for the "
                          "global layers; set hybrid_kv=True or use policy='full'")
-    if policy.keeps_key_index:
-        local, window = len(model_config.local_layers), model_config.sliding_window
-        raise ValueError(
-            f"policy={config.policy!r} is not supported for {name}: an exact recompute of a dropped range "
-            f"at position a needs each of its {local} sliding-window layers' window before a, and those "
-            f"depend on earlier windows layer by layer, so the recompute would reach back {local} x "
-            f"({window} - 1) = {replay_span_tokens(model_config):,} tokens; use a policy that acts on the "
-            "global layers only (window, sparse, snapkv, h2o, quest) or full")
+    named = config.need_layer_set  # replay: the detector reads keys a dropped block leaves, global ones
+    local = sorted(set(named) & set(model_config.local_layers)) if isinstance(named, frozenset) else []
+    if policy.keeps_key_index and local:
+        raise ValueError(f"need_layers={config.need_layers!r} names sliding-window layers of {name} "
+                         f"({', '.join(map(str, local))}): they keep no dropped block; name global layers "
+                         "or leave it auto")
     if config.layered_prefill:
         raise ValueError(f"layered_prefill is not supported for {name}: its layer-at-a-time pass has one "
                          "RoPE and one table for every layer; turn it off")

@@ -69,9 +69,13 @@ class KeyIndex:
         self.hi = torch.cat([self.hi, self.hi.new_zeros(*self.hi.shape[:2], extra, self.head_dim)], dim=2)
         self._free.extend(range(start + extra - 1, start - 1, -1))  # pop() hands out low slots first
 
-    def add(self, keys: torch.Tensor) -> list[int]:
-        """keys: [L, Hkv, n, block_size, D] of n blocks (every model layer). Returns their n slots."""
-        if self._kept is not None:
+    def add(self, keys: torch.Tensor, layers: list[int] | None = None) -> list[int]:
+        """keys: [L, Hkv, n, block_size, D] of n blocks, row i of model layer layers[i] (None:
+        every model layer; a hybrid pool's cold tier holds its global layers). Returns their n slots."""
+        if layers is not None:
+            keys = keys.index_select(0, torch.tensor([layers.index(layer) for layer in self.layers],
+                                                     device=keys.device))
+        elif self._kept is not None:
             keys = keys.index_select(0, self._kept)
         num_blocks = keys.shape[2]
         slots = self.allocate(num_blocks)

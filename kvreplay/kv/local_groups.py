@@ -56,6 +56,13 @@ class LocalGroups:
         self.window_blocks = blocks_for(window_tokens, self.block_size) + 1 if num_groups else 0
         self.tables: dict[int, list[list[int]]] = {}  # seq -> group -> column -> page or DROPPED
 
+    @property
+    def global_layers(self) -> list[int]:
+        """The model layers the global table serves, in order (storage slot i: the i-th)."""
+        groups = self.kv.layer_groups
+        return list(range(len(self.kv.kv_caches))) if groups is None else \
+            [layer for layer, group in enumerate(groups) if group is None]
+
     def first_needed(self, num_tokens: int) -> int:
         """First column the query at position `num_tokens` reads (its window's first block)."""
         if not self.num_groups:

@@ -53,13 +53,15 @@ class NeedProbe:
     key_index: "KeyIndex"
     top_blocks: int
     layers: frozenset[int] | None = None  # layers to read (None: all)
-    layer: int = 0
+    layer: int = 0                        # calls so far
+    # the model layers that call it, in order (None: every layer; a hybrid pool's global layers)
+    order: tuple[int, ...] | None = None
     max_mass: torch.Tensor | None = None  # [R] largest block share seen in any layer and head
     flagged: torch.Tensor | None = None   # [R] slot-table column of the block that took it
 
     def next_layer(self) -> int | None:
         """Move on to the next layer; its index when the detector reads it, else None."""
-        layer = self.layer
+        layer = self.layer if self.order is None else self.order[self.layer]
         self.layer += 1
         return layer if self.layers is None or layer in self.layers else None
 
