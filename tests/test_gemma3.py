@@ -311,12 +311,9 @@ def test_context_over_the_models_is_refused(gemma32):
         gemma32.generate([2] * 32769, SamplingParams(max_tokens=1))
 
 
-@pytest.mark.parametrize("policy", ["replay", "replay+cold"])
-def test_replay_is_refused_with_the_span_a_recompute_needs(policy):
-    """An exact recompute at position a needs every local layer's window before a, each resting
-    on the windows of the local layers below it: 15 x 511 tokens back on the 270M model."""
-    with pytest.raises(ValueError, match=r"reach back 15 x \(512 - 1\) = 7,665 tokens"):
-        LLM(model=MODEL, policy=policy)
+def test_need_layers_naming_a_sliding_window_layer_are_refused():
+    with pytest.raises(ValueError, match=r"names sliding-window layers of gemma3 \(0, 4\).*name global layers"):
+        LLM(model=MODEL, policy="replay", need_layers="0,4,5")
 
 
 @pytest.mark.parametrize("policy", ["window", "sparse", "snapkv", "h2o", "quest"])

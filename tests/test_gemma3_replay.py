@@ -1,0 +1,71 @@
+"""Replay on Gemma 3 270M (fp32, real model) over the hybrid pool: dropped blocks leave the
+global layers' table only, and a replay recomputes the whole sequence (a dropped run's K/V at a
+global layer rest on every local window before it: ReplayTracker.recomputes_whole). The need
+probe reads the global layers' key index; `full`'s greedy tokens come back exactly."""
+from __future__ import annotations
+
+import pytest
+
+from kvreplay import SamplingParams
+from tests.test_gemma3 import _checked, _engine_on, gemma32, text_ids  # noqa: F401 (fixtures)
+
+PROMPT, PARAMS = 600, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def full_tokens(gemma32, text_ids):
+    return gemma32.generate(text_ids[:PROMPT], PARAMS).outputs[0].token_ids
+
+
+def _run(llm, prompt: list[int]):
+    """The output, with every step checked, the replay chunks the runner saw, and the pool
+    clean at the end."""
+    engine, chunks = llm.engine, []
+    run = engine.runner.run
+
+    def spy(batch, **kwargs):
+        chunks.extend(batch.replays)
+        return run(batch, **kwargs)
+
+    engine.runner.run = spy
+    output = llm.generate(prompt, PARAMS, on_step=_checked).outputs[0]
+    kv = engine.kv
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_blocks and not kv.local.tables
+    return output, chunks
+
+
+@pytest.mark.parametrize("knobs", [
+    {"policy": "replay", "trim": "prefill", "window_tokens": 128, "heavy_tokens": 0},
+    {"policy": "replay+cold", "resident_ratio": 0.25},
+])
+def test_always_replay_on_the_hybrid_pool_equals_full(gemma32, text_ids, full_tokens, knobs):
+    """Threshold 0: the detector asks for every dropped block at every decode step, so each
+    step recomputes the whole sequence: `full`'s tokens, and no dropped run replayed alone."""
+    llm = _engine_on(gemma32, replay_threshold=0.0, **knobs)
+    engine = llm.engine
+    assert engine.scheduler.replay.recomputes_whole
+    assert engine.runner.need_layers == frozenset({5, 11, 17})  # the global layers
+    output, chunks = _run(llm, text_ids[:PROMPT])
+    assert output.token_ids == full_tokens
+    assert output.stats.dropped_tokens > 0 and output.stats.replays >= 1 and output.stats.replay_mismatches == 0
+    assert not chunks
+
+
+def test_the_default_replay_on_the_hybrid_pool_stays_within_its_ratio(gemma32, text_ids):
+    """Auto knobs on Gemma: the global layers read, 2 heavy blocks, the fallback threshold; at
+    r=0.25 the sequence holds at most a quarter of its global blocks after its prefill."""
+    llm = _engine_on(gemma32, policy="replay", resident_ratio=0.25)
+    engine = llm.engine
+    assert engine.calibration is not None and engine.calibration.need_layers == (5, 11, 17)
+    kv, fractions = engine.kv, []
+
+    def step(engine) -> None:
+        _checked(engine)
+        for seq in engine.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                blocks = -(-seq.num_computed_tokens // kv.block_size)
+                fractions.append(kv.resident_bytes(seq.seq_id) / (blocks * kv.block_bytes))
+
+    output = llm.generate(text_ids[:PROMPT], PARAMS, on_step=step).outputs[0]
+    assert output.stats.dropped_tokens > 0 and fractions and max(fractions) <= 0.25 + 1e-9, fractions
+    assert kv.num_used_blocks == 0
