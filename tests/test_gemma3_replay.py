@@ -35,7 +35,7 @@ def _run(llm, prompt: list[int]):
 
 
 @pytest.mark.parametrize("knobs", [
-    {"policy": "replay", "trim": "prefill", "window_tokens": 128, "heavy_tokens": 0},
+    {"policy": "replay", "trim": "prefill", "window_tokens": 128, "heavy_tokens": 0, "need_layers": "all"},
     {"policy": "replay+cold", "resident_ratio": 0.25},
 ])
 def test_always_replay_on_the_hybrid_pool_equals_full(gemma32, text_ids, full_tokens, knobs):

@@ -284,6 +284,9 @@ def replay_knobs(config, model, tokenizer, source: str
         logger.info("replay knobs for this model: %s", calibration.describe())
     if layers == AUTO:
         layers = frozenset(calibration.need_layers) if calibration else None
+    local = set(model.config.local_layers or ()) if model.config.sliding_window else set()
+    if replays and local and layers is None:  # "all": every layer a dropped block leaves, the global ones
+        layers = frozenset(i for i in range(model.config.num_layers) if i not in local)
     if heavy == AUTO:
         heavy = calibration.heavy_tokens if calibration else 0
     if threshold == AUTO:
