@@ -52,11 +52,12 @@ def test_always_replay_on_the_hybrid_pool_equals_full(gemma32, text_ids, full_to
 
 
 def test_the_default_replay_on_the_hybrid_pool_stays_within_its_ratio(gemma32, text_ids):
-    """Auto knobs on Gemma: the global layers read, 2 heavy blocks, the fallback threshold; at
-    r=0.25 the sequence holds at most a quarter of its global blocks after its prefill."""
+    """Auto knobs on Gemma: the last global layer read, 2 heavy blocks, the fallback threshold;
+    at r=0.25 the sequence holds at most a quarter of its global blocks after its prefill."""
     llm = _engine_on(gemma32, policy="replay", resident_ratio=0.25)
     engine = llm.engine
-    assert engine.calibration is not None and engine.calibration.need_layers == (5, 11, 17)
+    assert engine.calibration is not None and engine.calibration.need_layers == (17,)
+    assert engine.runner.need_layers == frozenset({17}) and engine.scheduler.replay.threshold == 0.65
     kv, fractions = engine.kv, []
 
     def step(engine) -> None:
