@@ -292,7 +292,7 @@ for _name, _fn in (("full", _full), ("window", _window), ("replay", _replay), ("
 DEFAULT_POLICIES = ["full", "window", "replay", "sparse:int8", "sparse:fp8", "sparse:int4"]
 # What the engine serves on a sliding-window model (engine/model_setup.py), acting on its global
 # layers only: those keep the policy's hot blocks, the local layers their window.
-HYBRID_POLICIES = ("full", "window", "sparse", "snapkv", "h2o", "quest")
+HYBRID_POLICIES = ("full", "window", "replay", "sparse", "snapkv", "h2o", "quest")
 
 
 def parse_policy(spec: str) -> tuple[str, str | None]:

@@ -75,3 +75,20 @@ def tiny_model(tmp_path_factory) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+# Gemma 3 270M (tests/test_gemma3*.py): one fp32 engine for the session, loaded once.
+@pytest.fixture(scope="session")
+def gemma32():
+    """The engine on Gemma 3 in fp32; tests leave it idle."""
+    from kvreplay import LLM
+    llm = LLM(model="gemma3-270m", dtype="float32", kv_cache_memory="128MiB", max_num_batched_tokens=512)
+    yield llm
+    llm.engine.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def text_ids(gemma32, real_text):
+    ids = gemma32.tokenizer(real_text[:40000]).input_ids[:2000]
+    assert len(ids) == 2000
+    return ids

@@ -26,14 +26,6 @@ LOGIT_TOLERANCE = 1e-3  # absolute, fp32 on both sides (as tests/test_reference.
 VOCAB_SAMPLE = 8192     # vocabulary rows whose logits are compared at every position
 
 
-@pytest.fixture(scope="module")
-def gemma32():
-    """The engine on Gemma 3 in fp32; tests leave it idle."""
-    llm = LLM(model=MODEL, dtype="float32", kv_cache_memory="128MiB", max_num_batched_tokens=512)
-    yield llm
-    llm.engine.check_integrity()
-
-
 def _engine_on(gemma32, **knobs) -> LLM:
     """Another fp32 engine over gemma32's model object (no second load), with `knobs`."""
     engine = gemma32.engine
@@ -103,13 +95,6 @@ def hf_gemma(gemma32, weights):
     model.model.rotary_emb = Gemma3RotaryEmbedding(config)
     model.model.embed_tokens.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)
     return model.eval()
-
-
-@pytest.fixture(scope="module")
-def text_ids(gemma32, real_text):
-    ids = gemma32.tokenizer(real_text[:40000]).input_ids[:2000]
-    assert len(ids) == 2000
-    return ids
 
 
 @pytest.fixture(scope="module")

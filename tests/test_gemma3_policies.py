@@ -10,7 +10,7 @@ import torch
 from kvreplay import SamplingParams
 from kvreplay.kv.policy import middle_block_range, ratio_blocks
 from kvreplay.kv.tiers import DROPPED
-from tests.test_gemma3 import _checked, _engine_on, gemma32, text_ids  # noqa: F401 (fixtures)
+from tests.test_gemma3 import _checked, _engine_on
 
 PROMPT, PARAMS = 700, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 FIRST_GLOBAL = 5  # layers 0-4 are local and see nothing a global layer computed

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvreplay import SamplingParams
-from tests.test_gemma3 import _checked, _engine_on, gemma32, text_ids  # noqa: F401 (fixtures)
+from tests.test_gemma3 import _checked, _engine_on
 
 PROMPT, PARAMS = 600, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 

@@ -109,7 +109,8 @@ def run_plan(args) -> int:
     if dims.num_local_layers:  # the engine's refusals: engine/model_setup.py
         print("\nthe engine serves this sliding-window model through its hybrid pool under "
               f"{', '.join(planner.HYBRID_POLICIES)}, acting on its global layers only (the rows count "
-              "every layer's blocks; the hybrid lines what the engine holds); not replay or replay+cold")
+              "every layer's blocks; the hybrid lines what the engine holds), replay and replay+cold "
+              "recomputing the whole sequence when they replay")
     elif args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
         print("\n" + replay_knobs_line(dims.source, knobs.block_size))
     return 0
