@@ -122,7 +122,7 @@ def test_generate_by_hugging_face_id_streams_and_logs_each_step(tmp_path, llm32)
     (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
     (["generate", "hi", "--model", "NoSuchOrg/no-such-model"], "is not in the Hugging Face cache (searched "),
     (["generate", "hi", "--kv-cache-memory", "many"], "cannot parse size"),
-    (["generate", "hi", "--model", "gemma3-270m", "--policy", "replay"], "not supported for gemma3"),
+    (["generate", "hi", "--model", "gemma3-270m", "--policy", "window", "--no-hybrid-kv"], "needs hybrid_kv=True"),
     (["serve", "--ray-address", "auto"], "--ray-address needs --replicas N"),
     (["serve", "--replicas", "-1"], "replicas must be an integer >= 0"),
     (["serve", "--kv-events", "localhost:5557"], "kv_events must be a ZMQ endpoint like tcp://*:5557"),
