@@ -169,10 +169,15 @@ def lookup(source: str, dtype: torch.dtype = torch.bfloat16, block_size: int = 1
     return None if digest is None else read_cached(cache_path(digest, dtype, block_size))
 
 
+def local_layers_of(config) -> set[int]:
+    """A sliding-window model's local layers (empty for every other model)."""
+    return set(getattr(config, "local_layers", None) or ()) if getattr(config, "sliding_window", None) else set()
+
+
 def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
     """The cached calibration of this model and block size, else a fresh pass (then cached)."""
     num_layers = model.config.num_layers
-    local = set(model.config.local_layers or ()) if model.config.sliding_window else set()
+    local = local_layers_of(model.config)
     if local:  # the detector reads what a dropped block leaves: one global layer's keys (the last)
         last_global = max(i for i in range(num_layers) if i not in local)
         return Calibration((last_global,), HEAVY_BLOCKS[0] * block_size,
@@ -288,7 +293,7 @@ def replay_knobs(config, model, tokenizer, source: str
         logger.info("replay knobs for this model: %s", calibration.describe())
     if layers == AUTO:
         layers = frozenset(calibration.need_layers) if calibration else None
-    local = set(model.config.local_layers or ()) if model.config.sliding_window else set()
+    local = local_layers_of(model.config)
     if replays and local and layers is None:  # "all": every layer a dropped block leaves, the global ones
         layers = frozenset(i for i in range(model.config.num_layers) if i not in local)
     if heavy == AUTO:
