@@ -295,4 +295,4 @@ class ModelRunner:
         slot_table, valid = self._padded(slot_lists)
         return NeedProbe(torch.tensor(rows, device=self.device), slot_table, valid,
                          self.kv.key_index, self.need_top_blocks, layers=self.need_layers,
-                         order=self.kv.local.global_layers if self.kv.local.num_groups else None)
+                         order=self.kv.local.global_layers)

@@ -69,7 +69,7 @@ class KeyIndex:
         self.hi = torch.cat([self.hi, self.hi.new_zeros(*self.hi.shape[:2], extra, self.head_dim)], dim=2)
         self._free.extend(range(start + extra - 1, start - 1, -1))  # pop() hands out low slots first
 
-    def add(self, keys: torch.Tensor, layers: list[int] | None = None) -> list[int]:
+    def add(self, keys: torch.Tensor, layers: tuple[int, ...] | None = None) -> list[int]:
         """keys: [L, Hkv, n, block_size, D] of n blocks, row i of model layer layers[i] (None:
         every model layer; a hybrid pool's cold tier holds its global layers). Returns their n slots."""
         if layers is not None:

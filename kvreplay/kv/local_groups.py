@@ -55,13 +55,10 @@ class LocalGroups:
         # Blocks one window touches at most: what a sequence holds per group between steps.
         self.window_blocks = blocks_for(window_tokens, self.block_size) + 1 if num_groups else 0
         self.tables: dict[int, list[list[int]]] = {}  # seq -> group -> column -> page or DROPPED
-
-    @property
-    def global_layers(self) -> list[int]:
-        """The model layers the global table serves, in order (storage slot i: the i-th)."""
-        groups = self.kv.layer_groups
-        return list(range(len(self.kv.kv_caches))) if groups is None else \
-            [layer for layer, group in enumerate(groups) if group is None]
+        # The model layers the global table serves, in order (storage slot i: the i-th); None
+        # when the pool is not hybrid (every layer).
+        self.global_layers: tuple[int, ...] | None = tuple(
+            layer for layer, group in enumerate(kv.layer_groups) if group is None) if num_groups else None
 
     def first_needed(self, num_tokens: int) -> int:
         """First column the query at position `num_tokens` reads (its window's first block)."""

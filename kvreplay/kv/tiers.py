@@ -120,7 +120,7 @@ class TierMoves:
         slots: list[int | None] = [None] * len(block_indices)
         if keep_index:
             keys, _ = self.kv.cold_pool.dequantize_slots(cold_slots)
-            slots = self.kv.key_index.add(keys, self.kv.local.global_layers if self.kv.local.num_groups else None)
+            slots = self.kv.key_index.add(keys, self.kv.local.global_layers)
         self.kv.cold_pool.remove(cold_slots)
         for index, slot in zip(block_indices, slots):
             records[index].cold_slot, records[index].slot = None, slot
