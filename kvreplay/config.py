@@ -38,12 +38,15 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 def parse_layers(value) -> frozenset[int] | str | None:
-    """"auto" (kept: the engine calibrates it), None or "all" (every layer: None), an iterable of
-    ints, or a string like "7,20-23" -> a set of layer indices."""
+    """"auto" (kept: the engine calibrates it), None or "all" (every layer: None), "none" (no
+    layer: an empty set), an iterable of ints, or a string like "7,20-23" -> a set of layer
+    indices."""
     if value is None or value == "all":
         return None
     if value == AUTO:
         return AUTO
+    if value == "none":
+        return frozenset()
     if isinstance(value, str):
         layers = set()
         try:
@@ -51,7 +54,7 @@ def parse_layers(value) -> frozenset[int] | str | None:
                 first, _, last = part.strip().partition("-")
                 layers.update(range(int(first), int(last or first) + 1))
         except ValueError:
-            raise ValueError(f"cannot parse layers {value!r}: use auto, all, or e.g. '20-23' or "
+            raise ValueError(f"cannot parse layers {value!r}: use auto, all, none, or e.g. '20-23' or "
                              f"'7,20-23'") from None
     else:
         layers = set(value)
@@ -233,7 +236,9 @@ class EngineConfig:
     need_layers: str | tuple[int, ...] | None = knob(
         AUTO, "replay: layers the need detector reads: auto (chosen for the model by a calibration "
               "pass on planted facts at its first load, cached per model file; 18,20-21,23 on "
-              "SmolLM2-135M), all, or a list like 20-23 or 7,20-23",
+              "SmolLM2-135M; none where their key index would take more than a quarter of a "
+              "resident_ratio budget), all, none (no detector and no key index: dropped ranges "
+              "come back only when a prefill needs them), or a list like 20-23 or 7,20-23",
         check=applying(parse_layers), parsed="need_layer_set")
     cold_dtype: str = knob(
         "int8", "storage of cold blocks (sparse, replay+cold)", choices=COLD_KINDS,

@@ -52,7 +52,8 @@ def test_config_accepts_auto_all_and_lists():
             EngineConfig(replay_threshold=bad)
     assert EngineConfig(need_layers="all").need_layer_set is None
     assert EngineConfig(need_layers="20-23").need_layer_set == frozenset({20, 21, 22, 23})
-    with pytest.raises(ValueError, match="auto, all"):
+    assert EngineConfig(need_layers="none").need_layer_set == frozenset()
+    with pytest.raises(ValueError, match="auto, all, none"):
         EngineConfig(need_layers="deep")
     with pytest.raises(ValueError, match="heavy_tokens"):
         EngineConfig(heavy_tokens="many")
@@ -70,6 +71,18 @@ def test_cli_flags_take_auto_or_numbers():
     config = engine_config_from_args(parser.parse_args(["--heavy-tokens", "48", "--need-layers", "all",
                                                         "--replay-threshold", "0.5"]))
     assert config.heavy_tokens == 48 and config.need_layer_set is None and config.replay_threshold == 0.5
+    assert engine_config_from_args(parser.parse_args(["--need-layers", "none"])).need_layer_set == frozenset()
+
+
+def test_index_share_is_the_key_index_against_the_kv_a_dropped_block_frees():
+    from types import SimpleNamespace
+    smol = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, sliding_window=None, local_layers=())
+    assert calibration.index_share(smol, {18, 20, 21, 23}, 16) == pytest.approx(0.025)  # 4 x 0.625%
+    assert calibration.index_share(smol, None, 16, dtype_bytes=4) == pytest.approx(30 * 0.003125)
+    gemma = SimpleNamespace(num_layers=18, num_kv_heads=1, head_dim=256, sliding_window=512,
+                            local_layers=tuple(i for i in range(18) if i % 6 != 5))
+    assert calibration.index_share(gemma, {17}, 16) == pytest.approx(0.0625)  # of 3 global layers' K/V
+    assert calibration.index_share(gemma, None, 16) == pytest.approx(3 * 0.0625)
 
 
 def test_calibration_on_the_real_model_finds_retrieval_layers(llm32):
@@ -146,6 +159,13 @@ def test_auto_resolves_per_policy(llm32, tmp_path, monkeypatch):
                         *args) == (None, 0, 0.65, None)
     layers, heavy, _, _ = replay_knobs(EngineConfig(policy="sparse"), *args)
     assert heavy == 0
+    # under a ratio, auto reads no layer once the index would take more than a quarter of the
+    # budget (layers 20-21 of 30 in fp32: 0.625% of a dropped block); a named list is kept
+    assert replay_knobs(EngineConfig(policy="replay", resident_ratio=0.1), *args)[0] == frozenset({20, 21})
+    layers, _, threshold, _ = replay_knobs(EngineConfig(policy="replay", resident_ratio=0.02), *args)
+    assert layers == frozenset() and threshold == THRESHOLD_FALLBACK
+    named = EngineConfig(policy="replay", resident_ratio=0.02, need_layers="20-21")
+    assert replay_knobs(named, *args)[0] == frozenset({20, 21})
 
 
 def test_the_engine_uses_the_calibrated_knobs(tmp_path, monkeypatch):
@@ -175,3 +195,8 @@ def test_plan_says_what_auto_resolves_to(tmp_path, monkeypatch, capsys, model_pa
                                 "planted_low": [0.0], "ordinary_high": [0.0], "replay_threshold": 0.37}))
     assert main(["plan", "--context", "1024"]) == 0
     assert "need_layers=20-21, heavy_tokens=48, replay_threshold=0.37 (cached in" in capsys.readouterr().out
+    assert main(["plan", "--context", "1024", "--resident-ratio", "0.1"]) == 0
+    assert "need_layers none" not in capsys.readouterr().out  # 2 layers: 1.25% of a block fits 0.1
+    assert main(["plan", "--context", "1024", "--resident-ratio", "0.02"]) == 0
+    assert "at resident_ratio 0.02, need_layers none: the key index of need_layers 20-21 (1.25% of each" \
+        in capsys.readouterr().out

@@ -94,15 +94,17 @@ class EngineMachine(RuleBasedStateMachine):
                 block_size=st.sampled_from((8, 16)), ratio=st.sampled_from((None, 0.25, 0.5, 0.5)),
                 threshold=st.sampled_from((0.65, 0.2)), hold=st.sampled_from(("judged", "middle")),
                 trim=st.sampled_from(("admission", "pressure", "prefill")), caching=st.booleans(),
-                layered=st.booleans(), batched=st.sampled_from((32, 64, 256)), max_seqs=st.sampled_from((2, 4, 8)))
+                layered=st.booleans(), batched=st.sampled_from((32, 64, 256)), max_seqs=st.sampled_from((2, 4, 8)),
+                detector=st.sampled_from(("all", "all", "all", "none")))
     def build(self, policy, memory, block_size, ratio, threshold, trim, caching, layered, batched, max_seqs,
-              hold="middle"):
+              hold="middle", detector="all"):
         if policy in ("snapkv", "h2o") and ratio is None:
             ratio = 0.5
         self.llm = LLM(model=self.model, dtype="float32", kv_cache_memory=memory, block_size=block_size,
                        policy=policy, resident_ratio=ratio, trim=trim, enable_prefix_caching=caching,
                        layered_prefill=layered, window_tokens=32, max_num_batched_tokens=batched,
-                       max_num_seqs=max_seqs, replay_threshold=threshold, replay_hold=hold, seed=0)
+                       max_num_seqs=max_seqs, replay_threshold=threshold, replay_hold=hold, seed=0,
+                       need_layers=detector)  # "none": replay with no detector and no key index
         self.engine = self.llm.engine
         self.capacity = min(self.engine.kv.capacity_tokens, MAX_CONTEXT)
 

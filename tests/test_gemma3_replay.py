@@ -71,3 +71,23 @@ def test_the_default_replay_on_the_hybrid_pool_stays_within_its_ratio(gemma32, t
     output = llm.generate(text_ids[:PROMPT], PARAMS, on_step=step).outputs[0]
     assert output.stats.dropped_tokens > 0 and fractions and max(fractions) <= 0.25 + 1e-9, fractions
     assert kv.num_used_blocks == 0
+
+
+def test_auto_turns_the_detector_off_where_its_index_would_crowd_a_tight_budget(gemma32):
+    """One global layer's index is 3.1% of a dropped block's fp32 K/V (6.25% in bf16): it fits a
+    quarter of r = 0.25, not of r = 0.1, where auto reads no layer."""
+    from kvreplay.config import EngineConfig
+    from kvreplay.engine.calibration import replay_knobs
+    engine = gemma32.engine
+    args = (engine.model, engine.tokenizer, engine.model_source)
+    knobs = dict(model="gemma3-270m", dtype="float32", policy="replay")
+    assert replay_knobs(EngineConfig(resident_ratio=0.25, **knobs), *args)[0] == frozenset({17})
+    assert replay_knobs(EngineConfig(resident_ratio=0.1, **knobs), *args)[0] == frozenset()
+
+
+def test_plan_says_when_auto_reads_no_layer(capsys):
+    from kvreplay.cli import main
+    assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.1"]) == 0
+    assert "need_layers=17" in (out := capsys.readouterr().out) and "at resident_ratio 0.1, need_layers none" in out
+    assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.25"]) == 0
+    assert "need_layers none" not in capsys.readouterr().out

@@ -91,6 +91,31 @@ def test_a_context_sent_ahead_of_its_question_parks_cut_to_the_ratio(tiny_model,
     assert not engine.sessions and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_replay_without_a_detector_keeps_no_key_index_and_still_replays_the_next_round(tiny_model):
+    """need_layers "none": a dropped block keeps no index slot (the ratio holds more hot blocks)
+    and no probe runs, yet the next round still replays the dropped middle before its tokens,
+    so its first token, read from that exact prefill, is `full`'s."""
+    context, question = seeded_tokens(640, 5), seeded_tokens(24, 6)
+    llm = _llm(tiny_model, "replay", resident_ratio=0.25, need_layers="none")
+    engine = llm.engine
+    assert not engine.runner.detect_need and engine.scheduler.replay.replayable
+
+    def check(engine) -> None:
+        engine.check_integrity()
+        assert engine.kv.key_index.num_used == 0
+
+    one = llm.generate(context, SamplingParams(max_tokens=1, temperature=0), keep=True, on_step=check)
+    seq = engine.sessions.sequences()[0]
+    full_blocks = -(-len(context) // engine.kv.block_size)
+    hot = sum(b != DROPPED for b in engine.kv.block_table(seq.seq_id))
+    assert one.stats.dropped_tokens > 0 and hot == int(0.25 * full_blocks)  # the whole budget is hot
+    two = llm.generate(context + question, PARAMS, continues=[one.request_id], on_step=check)
+    assert two.stats.replays == 1 and two.stats.replayed_tokens == one.stats.dropped_tokens
+    reference = _llm(tiny_model).generate(context + question, PARAMS, on_step=_check)
+    assert two.token_ids[0] == reference.token_ids[0]
+    assert not engine.sessions and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_kept_sessions_give_way_to_waiting_work(tiny_model):
     """Kept sessions are released oldest first when the pool goes above the high watermark,
     and when a new request could not run otherwise."""

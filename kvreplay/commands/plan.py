@@ -111,21 +111,25 @@ def run_plan(args) -> int:
               f"{', '.join(planner.HYBRID_POLICIES)}, acting on its global layers only (the rows count "
               "every layer's blocks; the hybrid lines what the engine holds), replay and replay+cold "
               "recomputing the whole sequence when they replay")
-    elif args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
-        print("\n" + replay_knobs_line(dims.source, knobs.block_size))
+    if args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
+        print("\n" + replay_knobs_line(dims.source, knobs.block_size, knobs.resident_ratio))
     return 0
 
 
-def replay_knobs_line(source: str, block_size: int) -> str:
+def replay_knobs_line(source: str, block_size: int, ratio: float | None = None) -> str:
     """What `need_layers`, `heavy_tokens` and `replay_threshold` = "auto" resolve to for this
-    model (bf16)."""
-    from kvreplay.engine.calibration import lookup
-    found = lookup(source, block_size=block_size)
+    model (bf16), and under `ratio` whether the need detector's key index fits the budget."""
+    from kvreplay.engine.calibration import index_crowds_budget, lookup, sliding_window_defaults
+    from kvreplay.models.loader import read_model_config
+    config = read_model_config(source)
+    found = sliding_window_defaults(config, block_size) or lookup(source, block_size=block_size)
     if found is None:
         return ("replay knobs (need_layers, heavy_tokens, replay_threshold = auto): not calibrated yet "
                 "for this model and block size; the first replay engine to load it runs the pass "
                 "(six 1,024-token prefills) and caches the result")
-    return f"replay knobs (need_layers, heavy_tokens, replay_threshold = auto): {found.describe()}"
+    line = f"replay knobs (need_layers, heavy_tokens, replay_threshold = auto): {found.describe()}"
+    crowded = index_crowds_budget(config, found.need_layers, block_size, ratio)
+    return line + (f"; at resident_ratio {ratio:g}, need_layers none: {crowded}" if crowded else "")
 
 
 def asdict_dims(dims: planner.KVDims) -> dict:

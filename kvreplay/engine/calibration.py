@@ -23,7 +23,11 @@ at most 8 blocks. Models with fewer than 8 layers, or without a file to key the 
 the pass and read every layer with 2 heavy blocks and a threshold of 0.65; a sliding-window
 model (Gemma 3) skips it too and reads its last global layer: only global layers keep a dropped
 block's keys, and with 3 global layers of 1 KV head each one read costs 6.25% of every dropped
-block (all three: 0.17 of full's KV at 10% resident, more than the whole budget).
+block (all three: 0.17 of full's KV at 10% resident, more than the whole budget). Under a
+`resident_ratio` r, auto reads no layer where the chosen layers' index would take more than a
+quarter of the budget ((1 - r) x its share of a block > r / 4: Gemma 3 at 10%; SmolLM2's four
+layers fit down to 10%): the detector is off, and dropped ranges come back only when a prefill
+(a kept session's next turn) needs them.
 
 The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
 the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
@@ -44,6 +48,7 @@ from pathlib import Path
 import torch
 
 from kvreplay.kv import KVManager
+from kvreplay.kv.key_index import KeyIndex
 from kvreplay.layers.attention import AttentionMetadata, PrefillSlice
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,7 @@ WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
 MIN_LAYERS = 8
 HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
 THRESHOLD_FALLBACK = 0.65  # where no pass ran, or its layers do not tell a fact from plain text
+INDEX_BUDGET = 0.25  # auto: the most of a resident_ratio budget the detector's key index may take
 NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
          "the night train", "the glass garden")
 
@@ -174,15 +180,24 @@ def local_layers_of(config) -> set[int]:
     return set(getattr(config, "local_layers", None) or ()) if getattr(config, "sliding_window", None) else set()
 
 
+def sliding_window_defaults(model_config, block_size: int) -> Calibration | None:
+    """A sliding-window model's knobs, by rule (no pass): the detector reads what a dropped block
+    leaves, one global layer's keys (the last). None for other models."""
+    local = local_layers_of(model_config)
+    if not local:
+        return None
+    last_global = max(i for i in range(model_config.num_layers) if i not in local)
+    return Calibration((last_global,), HEAVY_BLOCKS[0] * block_size,
+                       "the last global layer: a sliding-window model's local layers keep no dropped "
+                       "block, and its key index costs 6.25% of a dropped block per global layer read")
+
+
 def calibrated_defaults(model, tokenizer, source: str, block_size: int, prefill_kernel=None) -> Calibration:
     """The cached calibration of this model and block size, else a fresh pass (then cached)."""
     num_layers = model.config.num_layers
-    local = local_layers_of(model.config)
-    if local:  # the detector reads what a dropped block leaves: one global layer's keys (the last)
-        last_global = max(i for i in range(num_layers) if i not in local)
-        return Calibration((last_global,), HEAVY_BLOCKS[0] * block_size,
-                           "the last global layer: a sliding-window model's local layers keep no dropped "
-                           "block, and its key index costs 6.25% of a dropped block per global layer read")
+    ruled = sliding_window_defaults(model.config, block_size)
+    if ruled is not None:
+        return ruled
     digest = model_digest(source) if num_layers >= MIN_LAYERS else None
     if digest is None:
         why = f"fewer than {MIN_LAYERS} layers" if num_layers < MIN_LAYERS else "no model file to key a calibration by"
@@ -274,6 +289,30 @@ def _observe(model, tokens: list[int], block_size: int, ends: tuple[int, ...],
     return observed
 
 
+def index_share(model_config, layers, block_size: int, dtype_bytes: int = 2) -> float:
+    """The key index's bytes for one dropped block when the detector reads `layers` (None: every
+    layer a dropped block leaves), against the block's K and V in the layers that keep it."""
+    local = local_layers_of(model_config)
+    stored = model_config.num_layers - len(local)
+    read = stored if layers is None else len(layers)
+    heads, dim = model_config.num_kv_heads, model_config.head_dim
+    return KeyIndex.bytes_per_slot(read, heads, block_size, dim) / (2 * stored * heads * dim * block_size * dtype_bytes)
+
+
+def index_crowds_budget(model_config, layers, block_size: int, ratio: float | None,
+                        dtype_bytes: int = 2) -> str | None:
+    """Why `auto` reads no layer under `resident_ratio` `ratio` (the key index of `layers` would
+    take more than INDEX_BUDGET of it), or None when it fits or no ratio is set."""
+    if ratio is None:
+        return None
+    share = index_share(model_config, layers, block_size, dtype_bytes)
+    if (1 - ratio) * share <= INDEX_BUDGET * ratio:
+        return None
+    return (f"the key index of need_layers {'all' if layers is None else format_layers(layers)} "
+            f"({100 * share:.2f}% of each dropped block) would take more than {100 * INDEX_BUDGET:g}% "
+            f"of resident_ratio {ratio:g}: no need detector, dropped ranges come back when a prefill needs them")
+
+
 def replay_knobs(config, model, tokenizer, source: str
                  ) -> tuple[frozenset[int] | None, int, float, Calibration | None]:
     """The need detector's layers (None: all) and threshold, and the heavy-hitter budget in
@@ -293,12 +332,17 @@ def replay_knobs(config, model, tokenizer, source: str
         logger.info("replay knobs for this model: %s", calibration.describe())
     if layers == AUTO:
         layers = frozenset(calibration.need_layers) if calibration else None
+        crowded = index_crowds_budget(model.config, layers, config.block_size, config.resident_ratio,
+                                      torch.finfo(model.dtype).bits // 8)
+        if replays and crowded:
+            logger.info("need_layers=none: %s", crowded)
+            layers = frozenset()
     local = local_layers_of(model.config)
     if replays and local and layers is None:  # "all": every layer a dropped block leaves, the global ones
         layers = frozenset(i for i in range(model.config.num_layers) if i not in local)
     if heavy == AUTO:
         heavy = calibration.heavy_tokens if calibration else 0
     if threshold == AUTO:
-        threshold = THRESHOLD_FALLBACK if calibration is None else \
+        threshold = THRESHOLD_FALLBACK if calibration is None or layers == frozenset() else \
             calibration.threshold_for(range(model.config.num_layers) if layers is None else layers)
     return layers, heavy, threshold, calibration

@@ -23,6 +23,7 @@ from kvreplay.engine.sequence import Sequence, SequenceStatus
 from kvreplay.engine.sessions import KeptSessions
 from kvreplay.engine.tier_loads import attach_tier
 from kvreplay.engine.model_setup import build_kv_manager, load_engine_model
+from kvreplay.kv.policy import without_detector
 from kvreplay.outputs import RequestOutput
 from kvreplay.sampling import SamplingParams, rows_logprobs, sample
 
@@ -42,22 +43,23 @@ class LLMEngine:
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(dtype_bytes)
         cfg = self.model_config
         named = config.need_layer_set  # a set, None (all) or "auto"
-        if isinstance(named, frozenset) and max(named) >= cfg.num_layers:
+        if isinstance(named, frozenset) and named and max(named) >= cfg.num_layers:
             raise ValueError(f"need_layers={config.need_layers!r} names a layer past the model's "
                              f"{cfg.num_layers} (0-{cfg.num_layers - 1})")
         need_layers, heavy_tokens, replay_threshold, self.calibration = replay_knobs(
             config, self.model, self.tokenizer, self.model_source)
-        self.kv = build_kv_manager(config, cfg, need_layers)  # engine/model_setup.py: sized to the budget
+        policy = without_detector(config.kv_policy) if need_layers == frozenset() else config.kv_policy
+        self.kv = build_kv_manager(config, cfg, need_layers or None)  # engine/model_setup.py: sized to the budget
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.watermark_levels, config.pause_mode, block_bytes=self.kv.block_bytes,
-                                   policy=config.kv_policy, window_tokens=config.window_tokens,
+                                   policy=policy, window_tokens=config.window_tokens,
                                    trim=config.trim, approx_prefill=config.approx_prefill,
                                    heavy_tokens=heavy_tokens, trim_order=config.trim_order,
                                    resident_ratio=config.resident_ratio, num_layers=cfg.num_layers,
                                    layered_work=partial(layered_work_bytes, cfg, config.block_size, config.torch_dtype,
                                                         self.kv_bytes_per_token) if config.layered_prefill else None,
                                    replay_threshold=replay_threshold, replay_hold=config.replay_hold)
-        self.runner = ModelRunner(self.model, self.kv, detect_need=config.kv_policy.replays_on_need,
+        self.runner = ModelRunner(self.model, self.kv, detect_need=policy.replays_on_need,
                                   need_layers=need_layers,
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,

@@ -68,7 +68,7 @@ class Scheduler:
         self.block_bytes = block_bytes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold, policy.keeps_key_index, replay_hold)
+        self.replay = ReplayTracker(kv, approx_prefill, replay_threshold, policy.replays, replay_hold)
         self.reclaim = Reclaimer(kv, policy, self.replay, self.running, window_tokens, trim,
                                  heavy_tokens, trim_order, resident_ratio)
 

@@ -65,7 +65,10 @@ def policy_knobs(engine) -> list[str]:
         knobs.append(f"window {config.window_tokens}")
     if policy.drops_middle and policy.trims_under_pressure:
         knobs.append(f"trim {config.trim}, order {config.trim_order}")
-    if policy.replays_on_need:
+    if policy.replays_on_need and not engine.runner.detect_need:
+        knobs.append(f"need_layers none (no need detector: dropped ranges come back when a prefill needs them), "
+                     f"heavy_tokens {engine.scheduler.reclaim.heavy_blocks * config.block_size}")
+    elif policy.replays_on_need:
         layers = engine.runner.need_layers
         knobs.append(f"replay_threshold {engine.scheduler.replay.threshold:g}, need_layers "
                      f"{'all' if layers is None else format_layers(layers)}, heavy_tokens "

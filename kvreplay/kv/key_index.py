@@ -50,8 +50,13 @@ class KeyIndex:
         # The Triton kernels (kernels/triton_backend.kernels()) when the engine's attention_backend
         # takes them: the Quest bound and the blocks' scores of the PyTorch path below run there.
         self.triton = None
-        # Per kept layer and KV head: block_size * D / 2 code bytes + 2 * D fp16 summary values.
-        self.slot_bytes = stored * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
+        self.slot_bytes = self.bytes_per_slot(stored, num_kv_heads, block_size, head_dim)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int) -> int:
+        """A dropped block's index bytes: per kept layer and KV head, block_size * D / 2 code
+        bytes and 2 * D fp16 summary values."""
+        return num_layers * num_kv_heads * (block_size * head_dim // 2 + 4 * head_dim)
 
     @property
     def capacity(self) -> int:

@@ -32,7 +32,7 @@ not shared and whose last block is nearly empty, and it never pauses the last ru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvreplay.kv.importance import OBSERVED_QUERIES
 
@@ -87,8 +87,10 @@ class KVPolicy:
     Attributes:
         name: the preset's name.
         drops_middle: middle blocks may leave the hot tier (window, replay, snapkv, h2o).
+        replays: dropped blocks can be recomputed exactly (a prefill that needs them, a
+            resume, the detector); the others evict for good.
         keeps_key_index: dropped blocks keep int4 keys (and their min/max summaries) so the need
-            detector can see them and a replay can be decided; the others evict for good.
+            detector can see them and a replay can be decided.
         replays_on_need: the need detector runs at decode and replays dropped ranges.
         slides: blocks leave the hot tier as soon as they leave the window, every step
             (StreamingLLM eviction; demotion for the cold presets).
@@ -112,6 +114,7 @@ class KVPolicy:
     """
     name: str
     drops_middle: bool = False
+    replays: bool = False
     keeps_key_index: bool = False
     replays_on_need: bool = False
     slides: bool = False
@@ -128,10 +131,10 @@ class KVPolicy:
 POLICIES = {
     "full": KVPolicy("full"),
     "window": KVPolicy("window", drops_middle=True, slides=True, recent_share=1.0),
-    "replay": KVPolicy("replay", drops_middle=True, keeps_key_index=True, replays_on_need=True,
+    "replay": KVPolicy("replay", drops_middle=True, replays=True, keeps_key_index=True, replays_on_need=True,
                        caps_each_step=True, recent_share=0.5),
     "sparse": KVPolicy("sparse", slides=True, demotes=True),
-    "replay+cold": KVPolicy("replay+cold", drops_middle=True, keeps_key_index=True,
+    "replay+cold": KVPolicy("replay+cold", drops_middle=True, replays=True, keeps_key_index=True,
                             replays_on_need=True, slides=True, demotes=True, caps_each_step=True,
                             recent_share=0.5),
     "snapkv": KVPolicy("snapkv", drops_middle=True, selects_at_prefill=True,
@@ -141,6 +144,12 @@ POLICIES = {
     "quest": KVPolicy("quest", selects_per_step=True, trims_under_pressure=False, needs_ratio=True,
                       recent_tokens=1),
 }
+
+
+def without_detector(policy: KVPolicy) -> KVPolicy:
+    """`policy` with its need detector off (need_layers "none"): dropped blocks keep no key
+    index and come back only when a prefill or a resume needs them."""
+    return replace(policy, keeps_key_index=False, replays_on_need=False)
 
 
 def ratio_blocks(num_tokens: int, block_size: int, ratio: float) -> int:
