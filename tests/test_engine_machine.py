@@ -556,3 +556,31 @@ def test_a_recompute_after_a_fingerprint_mismatch_leaves_the_sequence_within_its
     state.perturb_fingerprint(pick=0)
     state.step(count=6)
     state.teardown()
+
+
+def test_a_running_prompt_whose_next_chunk_finds_the_pool_held_by_paused_heads_goes_on(tiny_model):
+    """Found by the state machine (long run, seed 1300; replay at r=0.5, layered prefill): a
+    prompt mid-prefill was the only running sequence, and the pages its next chunk needed were
+    held by a paused sequence's kept head (and that head's key-index reservation). Its chunk did
+    not fit, nothing could be trimmed or paused, so the step scheduled nothing. When a step
+    would schedule nothing, the engine now releases paused heads as it releases kept sessions."""
+    state = _built_machine(tiny_model, policy="replay", detector="all", ratio=0.5, block_size=8, trim="admission",
+                           max_seqs=2, batched=32, threshold=0.65, caching=False, hold="judged", memory="128KiB",
+                           layered=True)
+    state.abort(after=5, pick=4)
+    state.add(beam=1, ignore_eos=True, keep=True, length=8, max_tokens=23, n=1, protected=5, seeded=False, shared=8,
+              stop=None, temperature=0.0)
+    state.add(beam=2, ignore_eos=True, keep=False, length=137, max_tokens=7, n=1, protected=0, seeded=False,
+              shared=8, stop="e", temperature=0.0)
+    state.abort(after=2, pick=3)
+    state.step(count=13)
+    state.step(count=4)
+    state.add(beam=1, ignore_eos=True, keep=True, length=176, max_tokens=19, n=1, protected=5, seeded=False,
+              shared=64, stop=None, temperature=0.0)
+    state.add(beam=1, ignore_eos=False, keep=True, length=76, max_tokens=36, n=2, protected=0, seeded=False,
+              shared=24, stop="e", temperature=0.8)
+    state.add(beam=1, ignore_eos=True, keep=True, length=291, max_tokens=19, n=1, protected=20, seeded=True,
+              shared=64, stop=None, temperature=0.0)
+    state.abort(after=8, pick=2)
+    state.continue_or_release(keep=True, length=40, max_tokens=6, pick=1, release=False)
+    state.teardown()  # drains every request within its bound, checking each step

@@ -177,8 +177,9 @@ class LLMEngine:
         high = self.scheduler.watermarks.high * self.kv.num_blocks  # kept sessions give way first
         self.sessions.release_while(lambda: self.kv.num_used_blocks > high)
         batch = self.scheduler.schedule()
-        while not batch and self.scheduler.has_work() and self.sessions.release_oldest():
-            batch = self.scheduler.schedule()
+        while not batch and self.scheduler.has_work() and \
+                (self.sessions.release_oldest() or self.scheduler.release_paused_pins(exclude=None)):
+            batch = self.scheduler.schedule()  # (a running prompt's next chunk may need either's room)
         self.counters.pauses += len(batch.paused)
         self.counters.preemptions += sum(1 for seq in batch.paused if seq.num_computed_tokens == 0)
         if not batch:

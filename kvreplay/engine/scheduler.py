@@ -122,7 +122,7 @@ class Scheduler:
                 if self.reclaim.trim_for_room(1):
                     continue
                 victim = self._cheapest_victim(exclude=scheduled | {seq.seq_id})
-                if victim is None and self._release_paused_pins(exclude=None):
+                if victim is None and self.release_paused_pins(exclude=None):
                     continue
                 victim = victim or seq
                 self._pause(victim, batch)
@@ -175,7 +175,7 @@ class Scheduler:
                 break
             elif projected > self.kv.num_free_blocks:
                 # Alone it must fit whatever the watermarks say; make room from paused pins.
-                if self._release_paused_pins(exclude=seq):
+                if self.release_paused_pins(exclude=seq):
                     continue
                 if not self.kv.can_allocate(seq.seq_id, 1):
                     break
@@ -305,7 +305,7 @@ class Scheduler:
         until the running sequences' blocks are under `low`, never the last runner.
 
         The kept head of a paused sequence counts as reclaimed: it is released on demand (see
-        `_release_paused_pins`), and counting it as used would pause more sequences per reclaim
+        `release_paused_pins`), and counting it as used would pause more sequences per reclaim
         in protected mode than in recompute mode for the same room (see `kvreplay.kv.policy`)."""
         total = self.kv.num_blocks
         if self.kv.num_used_blocks + self._decode_growth() <= self.watermarks.high * total:
@@ -373,7 +373,7 @@ class Scheduler:
             seq.replay.judged |= judged
             seq.replay.kept |= kept
 
-    def _release_paused_pins(self, exclude: Sequence | None) -> bool:
+    def release_paused_pins(self, exclude: Sequence | None) -> bool:
         """Last resort when pinned heads of paused sequences fill the pool: drop one entirely,
         the one paused longest ago first (it resumes last: paused sequences resume newest
         first). Running sequences' pins are never touched."""
