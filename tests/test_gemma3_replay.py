@@ -91,3 +91,16 @@ def test_plan_says_when_auto_reads_no_layer(capsys):
     assert "need_layers=17" in (out := capsys.readouterr().out) and "at resident_ratio 0.1, need_layers none" in out
     assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.25"]) == 0
     assert "need_layers none" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_hybrid_replay_takes_back_what_the_prefix_cache_holds_before_recomputing(gemma32, text_ids, full_tokens,
+                                                                                   caching):
+    """A dropped global page waits in the prefix cache's LRU: a replay takes it back exactly and
+    recomputes nothing; with the cache off the sequence is recomputed whole. `full`'s tokens."""
+    llm = _engine_on(gemma32, policy="replay", trim="prefill", window_tokens=128, heavy_tokens=0,
+                     need_layers="all", replay_threshold=0.0, enable_prefix_caching=caching)
+    output, chunks = _run(llm, text_ids[:PROMPT])
+    assert output.token_ids == full_tokens and not chunks
+    assert output.stats.dropped_tokens > 0 and output.stats.replays >= 1
+    assert (output.stats.replayed_tokens == 0) == caching, output.stats

@@ -101,10 +101,9 @@ class ReplayTracker:
     def restore_cached(self, seq: Sequence, step: int) -> bool:
         """Take back dropped blocks still in the prefix cache: for a need-replay, the judged
         block alone when the cache holds it, else those before it; otherwise all. False when
-        the replay has nothing left to bring back (it ends)."""
+        the replay has nothing left to bring back (it ends). On a hybrid pool what is left is
+        then recomputed whole; what came back is exact either way (the bits that left)."""
         kv = self.kv
-        if self.recomputes_whole:  # (the recompute adopts whatever the prefix cache holds)
-            return bool(self.replay_left(seq))
         if seq.replay.until is None:
             restored = kv.restore_cached(seq.seq_id, seq.token_ids)
         else:
