@@ -236,7 +236,7 @@ class EngineConfig:
     need_layers: str | tuple[int, ...] | None = knob(
         AUTO, "replay: layers the need detector reads: auto (chosen for the model by a calibration "
               "pass on planted facts at its first load, cached per model file; 18,20-21,23 on "
-              "SmolLM2-135M; none where their key index would take more than a quarter of a "
+              "SmolLM2-135M; none where their key index would take more than an eighth of a "
               "resident_ratio budget), all, none (no detector and no key index: dropped ranges "
               "come back only when a prefill needs them), or a list like 20-23 or 7,20-23",
         check=applying(parse_layers), parsed="need_layer_set")

@@ -159,7 +159,7 @@ def test_auto_resolves_per_policy(llm32, tmp_path, monkeypatch):
                         *args) == (None, 0, 0.65, None)
     layers, heavy, _, _ = replay_knobs(EngineConfig(policy="sparse"), *args)
     assert heavy == 0
-    # under a ratio, auto reads no layer once the index would take more than a quarter of the
+    # under a ratio, auto reads no layer once the index would take more than an eighth of the
     # budget (layers 20-21 of 30 in fp32: 0.625% of a dropped block); a named list is kept
     assert replay_knobs(EngineConfig(policy="replay", resident_ratio=0.1), *args)[0] == frozenset({20, 21})
     layers, _, threshold, _ = replay_knobs(EngineConfig(policy="replay", resident_ratio=0.02), *args)

@@ -313,11 +313,6 @@ def test_layered_prefill_is_refused():
         LLM(model=MODEL, policy="window", layered_prefill=True)
 
 
-def test_session_tier_over_the_hybrid_pool_is_refused():
-    with pytest.raises(ValueError, match="hybrid KV pool yet; turn the tier off or set hybrid_kv=False"):
-        LLM(model=MODEL, kv_tier_memory="64MiB")
-
-
 def test_hf_config_of_gemma3_is_refused():
     with pytest.raises(ValueError, match="GGUF file only"):
         ModelConfig.from_hf_config({"model_type": "gemma3_text"})

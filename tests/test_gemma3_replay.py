@@ -74,8 +74,8 @@ def test_the_default_replay_on_the_hybrid_pool_stays_within_its_ratio(gemma32, t
 
 
 def test_auto_turns_the_detector_off_where_its_index_would_crowd_a_tight_budget(gemma32):
-    """One global layer's index is 3.1% of a dropped block's fp32 K/V (6.25% in bf16): it fits a
-    quarter of r = 0.25, not of r = 0.1, where auto reads no layer."""
+    """One global layer's index is 3.1% of a dropped block's fp32 K/V (6.25% in bf16): it fits an
+    eighth of r = 0.25, not of r = 0.1, where auto reads no layer."""
     from kvreplay.config import EngineConfig
     from kvreplay.engine.calibration import replay_knobs
     engine = gemma32.engine
@@ -90,6 +90,8 @@ def test_plan_says_when_auto_reads_no_layer(capsys):
     assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.1"]) == 0
     assert "need_layers=17" in (out := capsys.readouterr().out) and "at resident_ratio 0.1, need_layers none" in out
     assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.25"]) == 0
+    assert "at resident_ratio 0.25, need_layers none" in capsys.readouterr().out  # bf16: 6.25% of a block
+    assert main(["plan", "--model", "gemma3-270m", "--context", "4096", "--resident-ratio", "0.5"]) == 0
     assert "need_layers none" not in capsys.readouterr().out
 
 
@@ -104,3 +106,40 @@ def test_a_hybrid_replay_takes_back_what_the_prefix_cache_holds_before_recomputi
     assert output.token_ids == full_tokens and not chunks
     assert output.stats.dropped_tokens > 0 and output.stats.replays >= 1
     assert (output.stats.replayed_tokens == 0) == caching, output.stats
+
+
+def _flush(kv) -> None:
+    """Pressure from elsewhere: take every page the pool can give (its LRU's cached pages go to
+    the session tier), then give them back empty."""
+    kv.add_sequence(-1)
+    tokens = kv.num_free_blocks * kv.block_size
+    while tokens and not kv.allocate(-1, tokens):
+        tokens -= kv.block_size
+    kv.free(-1)
+
+
+def test_a_hybrid_replay_loads_dropped_global_pages_from_the_session_tier(gemma32, text_ids, full_tokens):
+    """The pool flushed once the prompt's middle is dropped: with the tier, its global pages
+    (all a dropped block leaves) load instead of the whole sequence being recomputed; without
+    it the sequence is recomputed whole. Both give `full`'s tokens."""
+    stats = {}
+    for memory in ("0", "64MiB"):
+        llm = _engine_on(gemma32, policy="replay", trim="prefill", window_tokens=128, heavy_tokens=0,
+                         need_layers="all", replay_threshold=0.0, kv_tier_memory=memory)
+        engine = llm.engine
+        request_id = engine.add_request(text_ids[:PROMPT], PARAMS)
+        flushed, done = False, None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                done = output if output.finished else done
+            _checked(engine)
+            seq = engine.requests[request_id].seqs[0] if request_id in engine.requests else None
+            if not flushed and seq is not None and engine.kv.dropped_blocks(seq.seq_id):
+                _flush(engine.kv)
+                flushed = True
+                _checked(engine)
+        assert flushed and done.outputs[0].token_ids == full_tokens, memory
+        stats[memory] = done.outputs[0].stats
+    off, on = stats["0"], stats["64MiB"]
+    assert off.tier_loaded_tokens == 0 and off.replayed_tokens > 0  # a whole recompute
+    assert on.tier_loaded_tokens > 0 and on.replayed_tokens == 0 and on.replay_mismatches == 0

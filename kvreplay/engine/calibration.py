@@ -24,10 +24,11 @@ the pass and read every layer with 2 heavy blocks and a threshold of 0.65; a sli
 model (Gemma 3) skips it too and reads its last global layer: only global layers keep a dropped
 block's keys, and with 3 global layers of 1 KV head each one read costs 6.25% of every dropped
 block (all three: 0.17 of full's KV at 10% resident, more than the whole budget). Under a
-`resident_ratio` r, auto reads no layer where the chosen layers' index would take more than a
-quarter of the budget ((1 - r) x its share of a block > r / 4: Gemma 3 at 10%; SmolLM2's four
-layers fit down to 10%): the detector is off, and dropped ranges come back only when a prefill
-(a kept session's next turn) needs them.
+`resident_ratio` r, auto reads no layer where the chosen layers' index would take more than an
+eighth of the budget ((1 - r) x its share of a block > r / 8; in bf16: Gemma 3 at 25% and below,
+SmolLM2's four layers (2.5%) at 10%): the detector is off, the whole budget holds hot blocks, and
+dropped ranges come back when a prefill (a kept session's next turn) needs them. On the RULER
+context-first slices that scored higher or the same (docs/benchmarks.md §3).
 
 The result is cached under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), keyed by
 the model file's sha256, the dtype and the block size, so the pass runs once per model and dtype
@@ -61,7 +62,7 @@ WINDOW_TOKENS = 256    # kept hot at the ordinary point: not "middle"
 MIN_LAYERS = 8
 HEAVY_BLOCKS = (2, 8)  # the heavy-hitter budget's bounds, in blocks
 THRESHOLD_FALLBACK = 0.65  # where no pass ran, or its layers do not tell a fact from plain text
-INDEX_BUDGET = 0.25  # auto: the most of a resident_ratio budget the detector's key index may take
+INDEX_BUDGET = 0.125  # auto: the most of a resident_ratio budget the detector's key index may take
 NAMES = ("the blue door", "the old lighthouse", "the north tower", "the copper key",
          "the night train", "the glass garden")
 

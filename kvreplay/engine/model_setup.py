@@ -35,10 +35,6 @@ def check_model_settings(config: EngineConfig, model_config: ModelConfig) -> int
                          f"tokens): lower it to {context} or less")
     if model_config.sliding_window is not None:
         check_sliding_window(config, model_config)
-    if hybrid(config, model_config) and (config.kv_tier_memory_bytes or config.kv_tier_dir):
-        raise ValueError("the session tier (kv_tier_memory / kv_tier_dir) stores every layer of a block: "
-                         f"it does not take {model_config.architecture}'s hybrid KV pool yet; turn the "
-                         "tier off or set hybrid_kv=False")
     return max_model_len
 
 

@@ -7,7 +7,9 @@ the two places a missing range comes back:
 - admission (a new prompt, or a paused sequence resuming): after the prefix-cache hit, tier
   blocks that continue the hash chain are loaded instead of prefilled (`load_prefix`);
 - a replay of dropped blocks (`restore`, after the free prefix-cache restore): blocks the tier
-  holds are loaded, and go through the replay's fingerprint check (`finish_restore`).
+  holds are loaded, and go through the replay's fingerprint check (`finish_restore`). On a
+  hybrid pool, where the other way back is a whole recompute, they load when the tier holds
+  every one asked for (unless `kv_tier_choice` is recompute); admission loads nothing there.
 
 Each run is loaded, recomputed, or split, as `TierCosts.head_blocks` predicts fastest (or as
 `kv_tier_choice` forces). A split recomputes the run's head through the usual prefill or replay
@@ -156,11 +158,16 @@ class TierLoader:
         replaying them. Returns the table indices restored."""
         if seq in self._tails:  # (an admission tail waits for its prefill to reach it)
             return self._restore_tail(seq, indices) if self._tails[seq].indices else []
-        indices = self.kv.tier_io.restorable(seq.seq_id, indices)
+        asked, indices = indices, self.kv.tier_io.restorable(seq.seq_id, indices)
         if not indices:
             return []
         hashes = self.kv.tier_io.hashes(seq.seq_id, indices)
-        head, by_tier = self._decide(seq, hashes)
+        if self.kv.local.num_groups:  # hybrid: the other way back recomputes the whole sequence
+            if len(indices) < len(asked) or self.costs.choice == "recompute":
+                return []
+            head, by_tier = 0, self._bytes_by_tier(hashes)
+        else:
+            head, by_tier = self._decide(seq, hashes)
         if head == len(indices):
             return []
         block_size = self.kv.block_size
@@ -225,7 +232,9 @@ def attach_tier(engine) -> TierLoader | None:
     stamp = dict(model=model_identity(engine.model_source), block_size=config.block_size,
                  dtype=str(config.torch_dtype), layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
                  head_dim=cfg.head_dim)
-    shape = (cfg.num_layers, 2, cfg.num_kv_heads, config.block_size, cfg.head_dim)
+    if kv.local.num_groups:  # a hybrid pool's pages hold its global layers
+        stamp["global_layers"] = list(kv.local.global_layers)
+    shape = (len(kv.storages), 2, cfg.num_kv_heads, config.block_size, cfg.head_dim)
     tier = SessionTier(stamp, shape, config.torch_dtype, config.kv_tier_memory_bytes,
                        config.kv_tier_disk_bytes, config.kv_tier_dir)
     kv.attach_tier(tier)

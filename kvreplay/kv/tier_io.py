@@ -8,7 +8,10 @@ still in the LRU costs nothing to restore.
 
 Out: `load_prefix` continues a sequence's table with tier blocks that extend its hash chain (a
 prefix-cache miss: a returning chat, a resume); `restore` puts back dropped blocks of a running
-sequence (a replay). Loaded K/V are the bits that left (the tier verifies checksums), so neither
+sequence (a replay). A block is a pool page, its storage slots: on a hybrid pool a global page
+holds the global layers, all a dropped block leaves, so `restore` works there as on any pool;
+`load_prefix` does not (a prefix also needs the local layers' window pages, which it would have
+to match too: not built), so a hybrid pool's returning chat recomputes what the cache lost. Loaded K/V are the bits that left (the tier verifies checksums), so neither
 needs anything before it resident: replay's exactness rule holds as for a prefix-cache restore.
 A restored block's fingerprint is checked before it enters the table (a mismatch leaves it
 dropped for the replay to recompute) and again by `finish_restore`, the replay's own check.
@@ -29,8 +32,9 @@ class TierIO:
         kv.pool.on_evict = self.on_evict
 
     def block_data(self, block: int) -> torch.Tensor:
-        """One pool block's K/V at every layer: [layers, 2, Hkv, block_size, D]."""
-        return torch.stack([cache[:, :, block] for cache in self.kv.kv_caches])
+        """One pool page's K/V at each storage slot: [slots, 2, Hkv, block_size, D] (every
+        layer; on a hybrid pool, the global layers of a global page)."""
+        return torch.stack([storage[:, :, block] for storage in self.kv.storages])
 
     def write_blocks(self, blocks: list[int], data: list[torch.Tensor]) -> None:
         """Write each block's K/V ([layers, 2, Hkv, block_size, D]) into the pool. One copy per
@@ -40,7 +44,7 @@ class TierIO:
         device = self.kv.kv_caches[0].device
         for block, layers in zip(blocks, data):
             layers = layers.to(device)
-            for cache, layer in zip(self.kv.kv_caches, layers):  # cache: [2, Hkv, num_blocks, block_size, D]
+            for cache, layer in zip(self.kv.storages, layers):  # cache: [2, Hkv, num_blocks, block_size, D]
                 cache[:, :, block] = layer  # [2, Hkv, block_size, D]
 
     def on_evict(self, block: int, key: tuple[int, tuple[int, ...]]) -> None:
@@ -53,6 +57,8 @@ class TierIO:
         kv = self.kv
         slots = kv._num_slots.get(seq_id, 0)
         hashes = kv._hashes.get(seq_id, [])
+        if kv.local.num_groups:  # a hybrid pool's prefix also needs its local windows' pages: not kept
+            return []
         if not kv.enable_prefix_caching or slots % kv.block_size or len(hashes) * kv.block_size != slots:
             return []
         parent, extra, found = (hashes[-1] if hashes else None), kv._extra_keys[seq_id], []
