@@ -377,3 +377,15 @@ def test_session_resume_bench_rejects_bad_arguments():
         result = subprocess.run([sys.executable, os.path.join(root, "bench", "session_resume.py"), *args],
                                 capture_output=True, text=True, timeout=120, cwd=root)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_context_first_bench_rejects_bad_arguments():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for args, message in ((["--resident-ratio", "1.5"], "--resident-ratio must lie between 0 and 1"),
+                          (["--modes", "disk"], "--modes takes none and tier"),
+                          (["--users", "0"], "must be at least 1")):
+        result = subprocess.run([sys.executable, os.path.join(root, "bench", "context_first.py"), *args],
+                                capture_output=True, text=True, timeout=120, cwd=root)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
