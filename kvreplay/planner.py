@@ -20,10 +20,12 @@ Resident bytes of one request under each policy (scales and summaries are fp16, 
 
     full          all blocks hot                        = blocks x block bytes
     window        hot blocks only; the middle is evicted for good (StreamingLLM)
-    replay        hot blocks + m x (key index + index scales + summaries); the middle is dropped
-                    key index    = bs x g x index_bits/8   keys only: 1/8 of the bf16 K+V at int4
-                    index scales = 2 x g x 2               per-block per-channel min and scale
-                    summaries    = 2 x g x 2               per-block per-channel key min and max
+    replay        hot blocks + m x key index; the middle is dropped. The index keeps the keys of
+                  the n layers the need detector reads (`index_layers`: the engine's resolved
+                  `need_layers`, 0 for none; default every layer a dropped block leaves), gn =
+                  n x H x D channels:
+                    key index    = bs x gn x index_bits/8 + 2 x gn x 2   codes, per-block per-channel
+                                                         key min and max (the Quest summaries too)
     sparse:C      hot blocks + m x (cold data + cold scales + summaries); the middle is cold
                     cold data    = 2 x bs x g x bits(C)/8  int8/fp8: 1/2 of bf16, int4: 1/4
                     cold scales  = 2 x g x groups(C) x 2   int8/fp8: a scale; int4: scale and min
@@ -149,6 +151,7 @@ class PlanKnobs:
     kv_dtype: str = "bfloat16"
     index_bits: int = 4
     resident_ratio: float | None = None  # the budget of snapkv, h2o and quest
+    index_layers: int | None = None      # layers replay's key index keeps (None: every one a dropped block leaves)
 
     def __post_init__(self):
         check_choice("KV dtype", self.kv_dtype, KV_DTYPE_BYTES)
@@ -156,6 +159,7 @@ class PlanKnobs:
         for name in ("sink_tokens", "window_tokens", "protected_tokens"):
             check_int(name, getattr(self, name), 0)
         check_choice("index_bits", self.index_bits, INDEX_BITS)
+        check_int("index_layers", self.index_layers, 0, optional=True)
         check_number("resident_ratio", self.resident_ratio, 0, 1, low_open=True, optional=True,
                       what="a share of full KV")
 
@@ -239,11 +243,12 @@ def _window(zones, knobs, dims, cold_dtype):
 
 
 def _replay(zones, knobs, dims, cold_dtype):
-    per_block = knobs.block_size * dims.channels * knobs.index_bits // 8 + 2 * dims.channels * SCALE_BYTES
+    layers = dims.num_layers - dims.num_local_layers if knobs.index_layers is None else knobs.index_layers
+    read = layers * dims.num_kv_heads * dims.head_dim
+    per_block = knobs.block_size * read * knobs.index_bits // 8 + 2 * read * SUMMARY_BYTES
     return PolicyPlan("replay", zones.num_hot_blocks, "dropped", zones.num_middle_blocks,
                       zones.num_hot_blocks * _block_bytes(dims, knobs),
-                      index_bytes=zones.num_middle_blocks * per_block,
-                      summary_bytes=_summary_bytes(zones, dims))
+                      index_bytes=zones.num_middle_blocks * per_block)
 
 
 def _sparse(zones, knobs, dims, cold_dtype):
@@ -381,9 +386,9 @@ def plan(dims: KVDims, context_tokens: int, knobs: PlanKnobs = PlanKnobs(),
     if dims.num_local_layers:  # the global layers' share of a row, plus the local windows
         local_bytes, share = result.hybrid_bytes - result.layer_groups[0]["hybrid_bytes"], \
             result.layer_groups[0]["bytes_per_token"] / result.bytes_per_token
-        for p in result.policies:
+        for p in result.policies:  # (replay's index counts the global layers it reads already)
             if p.policy.split(":")[0] in HYBRID_POLICIES:
-                p.hybrid_bytes = round(p.resident_bytes * share) + local_bytes
+                p.hybrid_bytes = round((p.resident_bytes - p.index_bytes) * share) + p.index_bytes + local_bytes
     return result
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -86,8 +87,11 @@ def test_a_sliding_window_models_policies_act_on_its_global_layers():
     assert request.policy("full").hybrid_bytes == request.hybrid_bytes == 3_072 * 4096 + local
     assert request.policy("snapkv").hybrid_bytes == 64 * 16 * 3_072 + local  # r x 256 blocks
     assert request.policy("window").hybrid_bytes == 33 * 16 * 3_072 + local  # sinks' block + 512 tokens
-    # (replay's row counts a key index of every layer, the planner's model of `need_layers="all"`)
-    assert request.policy("window").hybrid_bytes < request.policy("replay").hybrid_bytes < request.hybrid_bytes
+    # replay's row counts a key index of every global layer (`need_layers="all"`): 3 x 3,072 bytes a block
+    replay = request.policy("replay")
+    assert replay.index_bytes == replay.middle_blocks * 3 * (16 * 256 // 2 + 4 * 256)
+    assert replay.hybrid_bytes == replay.hot_blocks * 16 * 3_072 + replay.index_bytes + local
+    assert request.policy("window").hybrid_bytes < replay.hybrid_bytes < request.hybrid_bytes
 
 
 def test_block_rounding_and_zones():
@@ -112,9 +116,12 @@ def test_policy_resident_bytes():
     assert request.policy("window").resident_bytes == 33 * block
     replay = request.policy("replay")
     assert replay.hot_bytes == 33 * block
-    # the int4 key index is 1/8 of the dropped range's bf16 K+V (docs/architecture.md §4), plus fp16 min/scale
-    assert replay.index_bytes == middle * block // 8 + middle * 2 * g * 2
-    assert replay.summary_bytes == middle * 2 * g * 2
+    # the int4 key index is 1/8 of the dropped range's bf16 K+V (docs/architecture.md §4), plus
+    # fp16 min and max per channel (its scales and the Quest summaries), as the engine's KeyIndex
+    assert replay.index_bytes == middle * block // 8 + middle * 2 * g * 2 and replay.summary_bytes == 0
+    four = plan(dims, 8192, replace(knobs, index_layers=4), policies=["replay"]).policy("replay")
+    assert four.index_bytes * 8 == replay.index_bytes  # 4 of Llama-3-8B's 32 layers read
+    assert plan(dims, 8192, replace(knobs, index_layers=0), policies=["replay"]).policy("replay").index_bytes == 0
     int8 = request.policy("sparse:int8")
     assert int8.cold_bytes == middle * block // 2 + middle * 2 * g * 2
     int4 = request.policy("sparse:int4")

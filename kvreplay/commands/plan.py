@@ -93,8 +93,11 @@ def dims_from_args(args) -> planner.KVDims:
 def run_plan(args) -> int:
     from kvreplay.validate import parse_bytes
     dims = dims_from_args(args)
-    knobs = planner.PlanKnobs(args.block_size, args.sink_tokens, args.window_tokens,
-                              args.protected_tokens, args.kv_dtype, args.index_bits, args.resident_ratio)
+    named_model = args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size))
+    knobs_line, index_layers = replay_knobs(dims.source, args.block_size, args.resident_ratio) \
+        if named_model else ("", None)
+    knobs = planner.PlanKnobs(args.block_size, args.sink_tokens, args.window_tokens, args.protected_tokens,
+                              args.kv_dtype, args.index_bits, args.resident_ratio, index_layers)
     budget = parse_bytes(args.budget) if args.budget else None
     contexts = args.context or sorted({1024, 8192, dims.max_context_tokens or 8192})
     policies = [p for p in args.policies.split(",") if p.strip()]
@@ -111,14 +114,15 @@ def run_plan(args) -> int:
               f"{', '.join(planner.HYBRID_POLICIES)}, acting on its global layers only (the rows count "
               "every layer's blocks; the hybrid lines what the engine holds), replay and replay+cold "
               "recomputing the whole sequence when they replay")
-    if args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size)):
-        print("\n" + replay_knobs_line(dims.source, knobs.block_size, knobs.resident_ratio))
+    if named_model:
+        print("\n" + knobs_line)
     return 0
 
 
-def replay_knobs_line(source: str, block_size: int, ratio: float | None = None) -> str:
+def replay_knobs(source: str, block_size: int, ratio: float | None = None) -> tuple[str, int | None]:
     """What `need_layers`, `heavy_tokens` and `replay_threshold` = "auto" resolve to for this
-    model (bf16), and under `ratio` whether the need detector's key index fits the budget."""
+    model (bf16), and under `ratio` whether the need detector's key index fits the budget; with
+    the number of layers replay's key index keeps (None: not calibrated yet, planned as all)."""
     from kvreplay.engine.calibration import index_crowds_budget, lookup, sliding_window_defaults
     from kvreplay.models.loader import read_model_config
     config = read_model_config(source)
@@ -126,10 +130,13 @@ def replay_knobs_line(source: str, block_size: int, ratio: float | None = None) 
     if found is None:
         return ("replay knobs (need_layers, heavy_tokens, replay_threshold = auto): not calibrated yet "
                 "for this model and block size; the first replay engine to load it runs the pass "
-                "(six 1,024-token prefills) and caches the result")
+                "(six 1,024-token prefills) and caches the result; replay's rows count a key index "
+                "of every layer"), None
     line = f"replay knobs (need_layers, heavy_tokens, replay_threshold = auto): {found.describe()}"
     crowded = index_crowds_budget(config, found.need_layers, block_size, ratio)
-    return line + (f"; at resident_ratio {ratio:g}, need_layers none: {crowded}" if crowded else "")
+    if crowded:
+        return line + f"; at resident_ratio {ratio:g}, need_layers none: {crowded}", 0
+    return line, len(found.need_layers)
 
 
 def asdict_dims(dims: planner.KVDims) -> dict:
