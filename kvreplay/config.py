@@ -261,6 +261,10 @@ class EngineConfig:
         "importance", "which middle blocks reclaim demotes or drops first: importance (least "
                       "observed attention first) or oldest (lowest positions first)",
         choices=TRIM_ORDERS, check=one_of(TRIM_ORDERS))
+    importance_pool: int = knob(
+        0, "blocks on each side whose observed attention a middle block's importance also takes "
+           "(the largest): a fact whose words straddle a block boundary keeps both blocks, as "
+           "SnapKV pools its token scores; 0: each block its own", check=ints(0))
     hot_turns: int = knob(
         2, "sparse, replay+cold: chat rounds (a user message and what follows it) at the end of "
            "a chat kept in full precision beside the system prompt (the seeds' multi-turn rule; "

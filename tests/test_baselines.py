@@ -28,13 +28,14 @@ def _hot(kv: KVManager, seq: Sequence) -> list[int]:
 
 
 def _prefilled(policy: str, ratio: float | None, trim: str = "pressure", window_tokens: int = 32,
-               heavy_tokens: int = 0):
+               heavy_tokens: int = 0, pool: int = 0):
     """A scheduler on a tiny pool with one 160-token prompt just prefilled, its middle blocks
     scored SCORES by the prefill observation, and the step's trim done."""
     kv = KVManager(64, BLOCK, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                    enable_prefix_caching=False)
     scheduler = Scheduler(kv, 512, 8, policy=POLICIES[policy], window_tokens=window_tokens,
                           trim=trim, resident_ratio=ratio, heavy_tokens=heavy_tokens)
+    scheduler.reclaim.importance_pool = pool
     seq = Sequence("r", list(range(PROMPT)), SamplingParams(max_tokens=16), set(), None)
     seq.max_tokens, seq.pinned_tokens = 16, 4
     scheduler.add(seq)
@@ -73,6 +74,19 @@ def test_snapkv_keeps_sinks_observation_window_and_the_most_attended_middle():
     assert _hot(kv, seq) == sorted({0, 16, 17, 18, 19, 20, 21} | _top(5))
     # Memory pressure pauses (as full does) instead of evicting more.
     assert not scheduler.reclaim.trim_for_room(kv.num_blocks)
+
+
+def test_importance_pool_keeps_the_neighbours_of_the_most_attended_blocks():
+    """importance_pool=1: a block scores the largest of its and its neighbours' mass, so a fact
+    straddling a block boundary keeps both halves. The top block is 2 (15); unpooled, its
+    neighbours 1 and 3 (8 and 7) lose to blocks 4, 6, 8 and 10; pooled, blocks 1-3 score 15 and
+    4-5 score 14 (block 4's own, block 5 beside it)."""
+    assert _top(5) == {2, 4, 6, 8, 10}
+    kv, _, seq = _prefilled("snapkv", 0.5, pool=1)
+    assert _hot(kv, seq) == [0, 1, 2, 3, 4, 5, 16, 17, 18, 19]
+    assert EngineConfig(importance_pool=2).importance_pool == 2
+    with pytest.raises(ValueError, match="importance_pool"):
+        EngineConfig(importance_pool=-1)
 
 
 def test_h2o_evicts_the_least_accumulated_attention_after_every_step():

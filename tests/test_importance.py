@@ -34,6 +34,8 @@ def test_store_accumulates_grows_copies_and_forgets():
     assert store.scores(1, [0, 1, 2, 40, 99]) == [0.5, 0.0, 1.25, 3.0, 0.0]
     assert store.most_important(1, [0, 1, 2, 40], 2) == {40, 2}
     assert store.most_important(1, [0, 1], 0) == set()
+    assert store.scores(1, [1, 39, 41, 42], pool=1) == [store.scores(1, [2])[0], 3.0, 3.0, 0.0]  # block 40's 3.0 spreads
+    assert store.most_important(1, [0, 1, 39], 1, pool=1) == {39}
     store.copy(1, 2)
     store.forget(1)
     assert 1 not in store and store.scores(2, [40]) == [3.0]

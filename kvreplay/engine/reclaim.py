@@ -44,6 +44,7 @@ class Reclaimer:
         assert resident_ratio is not None or not policy.needs_ratio, f"{policy.name} needs a resident_ratio"
         self.resident_ratio = resident_ratio
         self.chunked: set[int] = set()  # prefill or replay chunk in this batch: never trimmed
+        self.importance_pool = 0  # neighbour blocks whose mass a block's score takes (EngineConfig)
 
     def middle(self, seq: Sequence) -> list[int]:
         """Hot middle blocks of `seq` that dropping would free, less its heavy hitters (the
@@ -55,7 +56,7 @@ class Reclaimer:
         if seq.beam is not None or seq.forks:  # beams and unforked parents keep their blocks
             return [], []
         middle = self.kv.droppable(seq.seq_id, self.middle_range(seq))
-        heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks)
+        heavy = self.kv.importance.most_important(seq.seq_id, middle, self.heavy_blocks, self.importance_pool)
         split: tuple[list[int], list[int]] = ([], [])
         for index in middle:
             split[index in heavy].append(index)
@@ -108,7 +109,8 @@ class Reclaimer:
     def _order(self, seq: Sequence, indices: list[int], cold: int) -> list[tuple]:
         """Reclaim order: sequences that replayed recently last; hot blocks before cold ones;
         then the least observed attention (trim_order="importance") or the oldest block."""
-        scores = self.kv.importance.scores(seq.seq_id, indices) if self.by_importance else [0.0] * len(indices)
+        scores = self.kv.importance.scores(seq.seq_id, indices, self.importance_pool) if self.by_importance \
+            else [0.0] * len(indices)
         return [((seq.replay.last_step, cold, score, index, seq.seq_id), seq)
                 for score, index in zip(scores, indices)]
 

@@ -59,19 +59,23 @@ class BlockImportance:
             scores = self._mass[seq_id] = grown
         scores.index_add_(0, block_indices, mass.detach().to("cpu", torch.float32))
 
-    def scores(self, seq_id: int, block_indices: list[int]) -> list[float]:
-        """The accumulated mass of each block (0 for a block never observed)."""
+    def scores(self, seq_id: int, block_indices: list[int], pool: int = 0) -> list[float]:
+        """The accumulated mass of each block (0 for a block never observed); with `pool`, the
+        largest over it and the `pool` blocks on each side."""
         scores = self._mass.get(seq_id)
         if scores is None:
             return [0.0] * len(block_indices)
+        if pool:  # (padded: the blocks just past those observed take their neighbours' mass too)
+            scores = torch.nn.functional.max_pool1d(torch.nn.functional.pad(scores, (0, pool))[None, None],
+                                                    2 * pool + 1, 1, pool)[0, 0]
         values = scores.tolist()
         return [values[i] if i < len(values) else 0.0 for i in block_indices]
 
-    def most_important(self, seq_id: int, block_indices: list[int], count: int) -> set[int]:
-        """The `count` blocks of `block_indices` with the most mass (ties: the older block)."""
+    def most_important(self, seq_id: int, block_indices: list[int], count: int, pool: int = 0) -> set[int]:
+        """The `count` blocks of `block_indices` with the most mass (`scores`; ties: the older block)."""
         if count <= 0 or not block_indices:
             return set()
-        scored = sorted(zip(self.scores(seq_id, block_indices), block_indices), key=lambda s: (-s[0], s[1]))
+        scored = sorted(zip(self.scores(seq_id, block_indices, pool), block_indices), key=lambda s: (-s[0], s[1]))
         return {index for _, index in scored[:count]}
 
     def copy(self, parent_id: int, child_id: int) -> None:
