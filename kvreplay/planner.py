@@ -20,12 +20,9 @@ Resident bytes of one request under each policy (scales and summaries are fp16, 
 
     full          all blocks hot                        = blocks x block bytes
     window        hot blocks only; the middle is evicted for good (StreamingLLM)
-    replay        hot blocks + m x key index; the middle is dropped. The index keeps the keys of
-                  the n layers the need detector reads (`index_layers`: the engine's resolved
-                  `need_layers`, 0 for none; default every layer a dropped block leaves), gn =
-                  n x H x D channels:
-                    key index    = bs x gn x index_bits/8 + 2 x gn x 2   codes, per-block per-channel
-                                                         key min and max (the Quest summaries too)
+    replay        hot blocks + m x key index (the middle is dropped) of the n layers the detector
+                  reads (`index_layers`, default every one), gn = n x H x D: bs x gn x index_bits/8
+                  + 2 x gn x 2 (codes, then per-channel key min and max, the Quest summaries too)
     sparse:C      hot blocks + m x (cold data + cold scales + summaries); the middle is cold
                     cold data    = 2 x bs x g x bits(C)/8  int8/fp8: 1/2 of bf16, int4: 1/4
                     cold scales  = 2 x g x groups(C) x 2   int8/fp8: a scale; int4: scale and min
