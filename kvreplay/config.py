@@ -68,7 +68,7 @@ def int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
 
 
-def check_heavy_tokens(name: str, value, owner) -> None:
+def check_int_or_auto(name: str, value, owner) -> None:
     if value != AUTO:
         check_int(name, value, 0)
 
@@ -256,15 +256,17 @@ class EngineConfig:
         AUTO, "middle tokens per sequence kept hot beside the window: the blocks with the most "
               "observed attention (kvreplay.kv.importance: the prompt's last queries, then every "
               "decode step), H2O's heavy hitters; auto: for replay and replay+cold the calibration "
-              "pass's figure (32 on SmolLM2-135M), else 0", type=int_or_auto, check=check_heavy_tokens)
+              "pass's figure (32 on SmolLM2-135M), else 0", type=int_or_auto, check=check_int_or_auto)
     trim_order: str = knob(
         "importance", "which middle blocks reclaim demotes or drops first: importance (least "
                       "observed attention first) or oldest (lowest positions first)",
         choices=TRIM_ORDERS, check=one_of(TRIM_ORDERS))
-    importance_pool: int = knob(
-        0, "blocks on each side whose observed attention a middle block's importance also takes "
-           "(the largest): a fact whose words straddle a block boundary keeps both blocks, as "
-           "SnapKV pools its token scores; 0: each block its own", check=ints(0))
+    importance_pool: int | str = knob(
+        AUTO, "blocks on each side whose observed attention a middle block's importance also takes "
+              "(the largest): a fact whose words straddle a block boundary keeps both blocks, as "
+              "SnapKV pools its token scores; 0: each block its own; auto: 1 for replay and "
+              "replay+cold, 0 for the other policies (the baselines as measured)",
+        type=int_or_auto, check=check_int_or_auto)
     hot_turns: int = knob(
         2, "sparse, replay+cold: chat rounds (a user message and what follows it) at the end of "
            "a chat kept in full precision beside the system prompt (the seeds' multi-turn rule; "

@@ -84,7 +84,7 @@ def test_importance_pool_keeps_the_neighbours_of_the_most_attended_blocks():
     assert _top(5) == {2, 4, 6, 8, 10}
     kv, _, seq = _prefilled("snapkv", 0.5, pool=1)
     assert _hot(kv, seq) == [0, 1, 2, 3, 4, 5, 16, 17, 18, 19]
-    assert EngineConfig(importance_pool=2).importance_pool == 2
+    assert EngineConfig(importance_pool=2).importance_pool == 2 and EngineConfig().importance_pool == "auto"
     with pytest.raises(ValueError, match="importance_pool"):
         EngineConfig(importance_pool=-1)
 

@@ -69,7 +69,8 @@ class LLMEngine:
                                   if config.kv_policy.selects_per_step else None,
                                   use_triton=config.use_triton)
         self.kv.key_index.triton = self.runner.triton  # the need detector's bound and block scores
-        self.scheduler.reclaim.importance_pool = config.importance_pool
+        self.scheduler.reclaim.importance_pool = int(policy.replays) if config.importance_pool == "auto" \
+            else config.importance_pool
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.chat_template = ChatTemplate(self.tokenizer, cfg.vocab_size, config.hot_turns)

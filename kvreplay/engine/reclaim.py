@@ -109,7 +109,7 @@ class Reclaimer:
     def _order(self, seq: Sequence, indices: list[int], cold: int) -> list[tuple]:
         """Reclaim order: sequences that replayed recently last; hot blocks before cold ones;
         then the least observed attention (trim_order="importance") or the oldest block."""
-        scores = self.kv.importance.scores(seq.seq_id, indices, self.importance_pool) if self.by_importance \
+        scores = self.kv.importance.ranks(seq.seq_id, indices, self.importance_pool) if self.by_importance \
             else [0.0] * len(indices)
         return [((seq.replay.last_step, cold, score, index, seq.seq_id), seq)
                 for score, index in zip(scores, indices)]

@@ -64,7 +64,8 @@ def policy_knobs(engine) -> list[str]:
     else:
         knobs.append(f"window {config.window_tokens}")
     if policy.drops_middle and policy.trims_under_pressure:
-        knobs.append(f"trim {config.trim}, order {config.trim_order}")
+        knobs.append(f"trim {config.trim}, order {config.trim_order}, importance pool "
+                     f"{engine.scheduler.reclaim.importance_pool}")
     if policy.replays_on_need and not engine.runner.detect_need:
         knobs.append(f"need_layers none (no need detector: dropped ranges come back when a prefill needs them), "
                      f"heavy_tokens {engine.scheduler.reclaim.heavy_blocks * config.block_size}")

@@ -61,22 +61,33 @@ class BlockImportance:
 
     def scores(self, seq_id: int, block_indices: list[int], pool: int = 0) -> list[float]:
         """The accumulated mass of each block (0 for a block never observed); with `pool`, the
-        largest over it and the `pool` blocks on each side."""
+        largest over it and the blocks within `pool` of it among `block_indices` (the middle:
+        the sinks' and the window's mass, always large, must not lift their neighbours)."""
         scores = self._mass.get(seq_id)
         if scores is None:
             return [0.0] * len(block_indices)
-        if pool:  # (padded: the blocks just past those observed take their neighbours' mass too)
-            scores = torch.nn.functional.max_pool1d(torch.nn.functional.pad(scores, (0, pool))[None, None],
-                                                    2 * pool + 1, 1, pool)[0, 0]
         values = scores.tolist()
-        return [values[i] if i < len(values) else 0.0 for i in block_indices]
+        own = [values[i] if i < len(values) else 0.0 for i in block_indices]
+        if not pool or not block_indices:
+            return own
+        among = torch.zeros(max(block_indices) + 1)
+        among[torch.tensor(block_indices)] = torch.tensor(own)
+        pooled = torch.nn.functional.max_pool1d(among[None, None], 2 * pool + 1, 1, pool)[0, 0].tolist()
+        return [pooled[i] for i in block_indices]
+
+    def ranks(self, seq_id: int, block_indices: list[int], pool: int = 0) -> list:
+        """Sort keys of `block_indices`, least important first: the score (`scores`), then with
+        `pool` the block's own mass (a peak before the neighbours that took its score)."""
+        pooled = self.scores(seq_id, block_indices, pool)
+        return list(zip(pooled, self.scores(seq_id, block_indices))) if pool else pooled
 
     def most_important(self, seq_id: int, block_indices: list[int], count: int, pool: int = 0) -> set[int]:
-        """The `count` blocks of `block_indices` with the most mass (`scores`; ties: the older block)."""
+        """The `count` blocks of `block_indices` that rank highest (`ranks`; ties: the older block)."""
         if count <= 0 or not block_indices:
             return set()
-        scored = sorted(zip(self.scores(seq_id, block_indices, pool), block_indices), key=lambda s: (-s[0], s[1]))
-        return {index for _, index in scored[:count]}
+        ranks = self.ranks(seq_id, block_indices, pool)
+        order = sorted(range(len(block_indices)), key=lambda i: (ranks[i], -block_indices[i]), reverse=True)
+        return {block_indices[i] for i in order[:count]}
 
     def copy(self, parent_id: int, child_id: int) -> None:
         if parent_id in self._mass:
