@@ -94,7 +94,7 @@ def run_plan(args) -> int:
     from kvreplay.validate import parse_bytes
     dims = dims_from_args(args)
     named_model = args.model is not None or not any(v is not None for v in (args.num_layers, args.hidden_size))
-    knobs_line, index_layers = replay_knobs(dims.source, args.block_size, args.resident_ratio) \
+    knobs_line, index_layers = auto_replay_knobs(dims.source, args.block_size, args.resident_ratio) \
         if named_model else ("", None)
     knobs = planner.PlanKnobs(args.block_size, args.sink_tokens, args.window_tokens, args.protected_tokens,
                               args.kv_dtype, args.index_bits, args.resident_ratio, index_layers)
@@ -119,7 +119,7 @@ def run_plan(args) -> int:
     return 0
 
 
-def replay_knobs(source: str, block_size: int, ratio: float | None = None) -> tuple[str, int | None]:
+def auto_replay_knobs(source: str, block_size: int, ratio: float | None = None) -> tuple[str, int | None]:
     """What `need_layers`, `heavy_tokens` and `replay_threshold` = "auto" resolve to for this
     model (bf16), and under `ratio` whether the need detector's key index fits the budget; with
     the number of layers replay's key index keeps (None: not calibrated yet, planned as all)."""

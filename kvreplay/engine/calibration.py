@@ -333,9 +333,9 @@ def replay_knobs(config, model, tokenizer, source: str
         logger.info("replay knobs for this model: %s", calibration.describe())
     if layers == AUTO:
         layers = frozenset(calibration.need_layers) if calibration else None
-        crowded = index_crowds_budget(model.config, layers, config.block_size, config.resident_ratio,
-                                      torch.finfo(model.dtype).bits // 8)
-        if replays and crowded:
+        crowded = replays and index_crowds_budget(model.config, layers, config.block_size, config.resident_ratio,
+                                                  torch.finfo(model.dtype).bits // 8)
+        if crowded:
             logger.info("need_layers=none: %s", crowded)
             layers = frozenset()
     local = local_layers_of(model.config)

@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from kvreplay.config import EngineConfig
+from kvreplay.config import AUTO, EngineConfig
 from kvreplay.engine.beam import BeamGroup, step_beams
 from kvreplay.engine.calibration import replay_knobs
 from kvreplay.engine.chat_template import ChatTemplate
@@ -69,7 +69,7 @@ class LLMEngine:
                                   if config.kv_policy.selects_per_step else None,
                                   use_triton=config.use_triton)
         self.kv.key_index.triton = self.runner.triton  # the need detector's bound and block scores
-        self.scheduler.reclaim.importance_pool = int(policy.replays) if config.importance_pool == "auto" \
+        self.scheduler.reclaim.importance_pool = int(policy.replays) if config.importance_pool == AUTO \
             else config.importance_pool
         self.tier_loader = attach_tier(self)  # the session tier, when kv_tier_* ask for one
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)

@@ -63,23 +63,21 @@ class BlockImportance:
         """The accumulated mass of each block (0 for a block never observed); with `pool`, the
         largest over it and the blocks within `pool` of it among `block_indices` (the middle:
         the sinks' and the window's mass, always large, must not lift their neighbours)."""
+        own = self._own(seq_id, block_indices)
+        return _pooled(own, block_indices, pool) if pool and block_indices else own
+
+    def _own(self, seq_id: int, block_indices: list[int]) -> list[float]:
         scores = self._mass.get(seq_id)
         if scores is None:
             return [0.0] * len(block_indices)
         values = scores.tolist()
-        own = [values[i] if i < len(values) else 0.0 for i in block_indices]
-        if not pool or not block_indices:
-            return own
-        among = torch.zeros(max(block_indices) + 1)
-        among[torch.tensor(block_indices)] = torch.tensor(own)
-        pooled = torch.nn.functional.max_pool1d(among[None, None], 2 * pool + 1, 1, pool)[0, 0].tolist()
-        return [pooled[i] for i in block_indices]
+        return [values[i] if i < len(values) else 0.0 for i in block_indices]
 
     def ranks(self, seq_id: int, block_indices: list[int], pool: int = 0) -> list:
         """Sort keys of `block_indices`, least important first: the score (`scores`), then with
         `pool` the block's own mass (a peak before the neighbours that took its score)."""
-        pooled = self.scores(seq_id, block_indices, pool)
-        return list(zip(pooled, self.scores(seq_id, block_indices))) if pool else pooled
+        own = self._own(seq_id, block_indices)
+        return list(zip(_pooled(own, block_indices, pool), own)) if pool and block_indices else own
 
     def most_important(self, seq_id: int, block_indices: list[int], count: int, pool: int = 0) -> set[int]:
         """The `count` blocks of `block_indices` that rank highest (`ranks`; ties: the older block)."""
@@ -98,6 +96,14 @@ class BlockImportance:
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._mass
+
+
+def _pooled(own: list[float], block_indices: list[int], pool: int) -> list[float]:
+    """Each of `own` (the mass of `block_indices`) as the largest within `pool` of it among them."""
+    among = torch.zeros(max(block_indices) + 1)
+    among[torch.tensor(block_indices)] = torch.tensor(own)
+    pooled = torch.nn.functional.max_pool1d(among[None, None], 2 * pool + 1, 1, pool)[0, 0].tolist()
+    return [pooled[i] for i in block_indices]
 
 
 def block_mass(probs: torch.Tensor, block_size: int) -> torch.Tensor:

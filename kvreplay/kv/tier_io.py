@@ -55,10 +55,10 @@ class TierIO:
         """Hashes of the tier blocks that continue `seq_id`'s table for `token_ids` (like
         `match_prefix`: from a block boundary, never covering the last token)."""
         kv = self.kv
-        slots = kv._num_slots.get(seq_id, 0)
-        hashes = kv._hashes.get(seq_id, [])
         if kv.local.num_groups:  # a hybrid pool's prefix also needs its local windows' pages: not kept
             return []
+        slots = kv._num_slots.get(seq_id, 0)
+        hashes = kv._hashes.get(seq_id, [])
         if not kv.enable_prefix_caching or slots % kv.block_size or len(hashes) * kv.block_size != slots:
             return []
         parent, extra, found = (hashes[-1] if hashes else None), kv._extra_keys[seq_id], []
