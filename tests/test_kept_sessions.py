@@ -166,3 +166,28 @@ def test_blocks_computed_without_a_dropped_range_are_not_offered_as_exact(tiny_m
     assert one.stats.dropped_tokens > 0 and one.stats.approx_tokens == 39
     two = llm.generate(prompt + one.token_ids[:32], PARAMS, on_step=_check)
     assert two.stats.prefix_hit_tokens == 640
+
+
+@pytest.mark.parametrize("policy", ["replay", "h2o"])
+def test_a_next_rounds_blocks_rank_by_its_own_question_under_replay(tiny_model, policy):
+    """Under replay a round's prompt restarts the importance scores: a chat's next round ranks
+    its blocks as the same prompt sent fresh would, not by what round 1's answer read (that
+    would outrank the block the new question asks for). H2O keeps its running sums."""
+    first, follow = seeded_tokens(300, 8), seeded_tokens(40, 9)
+    one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # no decode step observed
+
+    def scores(llm: LLM) -> list[float]:
+        seq = llm.engine.sessions.sequences()[-1]
+        return llm.engine.kv.importance.scores(seq.seq_id, list(range(len(llm.engine.kv.block_table(seq.seq_id)))))
+
+    chat = _llm(tiny_model, policy, resident_ratio=1.0, need_layers="none")
+    one = chat.generate(first, PARAMS, keep=True, on_step=_check)
+    chat.generate(_all(one) + follow, one_token, continues=[one.request_id], keep=True, on_step=_check)
+    fresh = _llm(tiny_model, policy, resident_ratio=1.0, need_layers="none")
+    fresh.generate(_all(one) + follow, one_token, keep=True, on_step=_check)
+    kept, alone = scores(chat), scores(fresh)
+    assert len(kept) == len(alone) and sum(alone) > 0
+    if policy == "replay":
+        assert kept == pytest.approx(alone, abs=1e-5)
+    else:  # round 1's prefill and its 8 decode steps still count
+        assert sum(kept) > sum(alone) + 1.0

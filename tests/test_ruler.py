@@ -111,6 +111,12 @@ def test_multiturn_case(kit):
         assert kit.decode(first[needle.start:needle.end]) == needle.text
         quarters.add(int(4 * needle.start / 1024))
     assert quarters == {0, 1, 2, 3}                             # one fact per quarter
+    assert len({kind.fact for kind in case.kinds}) == ROUNDS    # each worded its own way
+    texts = {needle.text for needle in case.needles}
+    for r in range(ROUNDS):  # round r asks the fact its key and kind planted, in its own words
+        assert case.kinds[r].fact.format(key=case.keys[r], value=case.values[r]) in texts
+        assert case.keys[r] in case.question(r) and case.keys[r] in case.answer_prefix(r)
+    assert len({case.question(r).strip().split()[0] for r in range(ROUNDS)}) > 1
     last = round_prompt(kit, case, 3, ["1", "2", "3"])
     assert last[:len(case.document)] == case.document and len(last) < 1024 + 256
     text = kit.decode(last)

@@ -23,13 +23,14 @@ def layered_work_bytes(model_config, block_size: int, dtype: torch.dtype, kv_byt
 
 class LayeredPass:
     def __init__(self, model: LlamaModel, kv: KVManager, chunk_tokens: int, prefill_kernel,
-                 observe_importance: bool):
+                 observe_importance: bool, restart_importance: bool = False):
         self.model = model
         self.kv = kv
         self.device = model.device
         self.chunk_tokens = chunk_tokens  # rows per pass (a normal prefill's chunk: the same K/V)
         self.prefill_kernel = prefill_kernel
         self.observe_importance = observe_importance
+        self.restart_importance = restart_importance
 
     def run(self, seq: Sequence, layers: range) -> torch.Tensor | None:
         """Layers `layers` of `seq`'s layered prefill, each over the whole range [start, end)
@@ -43,7 +44,8 @@ class LayeredPass:
         if state.next_layer < len(kv.kv_caches):
             return None
         if state.mass is not None:  # every block up to `end`, dropped ones included
-            kv.importance.observe(seq.seq_id, list(range(len(state.mass))), state.mass)
+            kv.importance.observe(seq.seq_id, list(range(len(state.mass))), state.mass,
+                                  self.restart_importance)
         with torch.inference_mode():
             logits = self.model.logits(state.hidden[-1:].contiguous(), None)
         state.hidden = state.mass = None

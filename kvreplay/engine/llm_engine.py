@@ -64,6 +64,7 @@ class LLMEngine:
                                   need_top_blocks=config.need_top_blocks,
                                   sparse_budget=config.sparse_budget, dense_layers=config.dense_layers,
                                   observe_importance=config.kv_policy.drops_middle or config.kv_policy.demotes,
+                                  restart_importance=policy.replays,
                                   layered_chunk_tokens=config.max_num_batched_tokens,
                                   select_hot=self.scheduler.reclaim.attention_selection
                                   if config.kv_policy.selects_per_step else None,

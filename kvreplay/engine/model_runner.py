@@ -48,6 +48,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVManager, detect_need: bool = False,
                  need_top_blocks: int = 8, sparse_budget: int | None = None, dense_layers: int = 0,
                  need_layers: frozenset[int] | None = None, observe_importance: bool = False,
+                 restart_importance: bool = False,
                  layered_chunk_tokens: int = 512,
                  select_hot: Callable[[Sequence], tuple[range, int] | None] | None = None,
                  use_triton: bool = False):
@@ -60,6 +61,7 @@ class ModelRunner:
         self.sparse_budget_blocks = None if sparse_budget is None else sparse_budget // kv.block_size
         self.dense_layers = dense_layers
         self.observe_importance = observe_importance  # feed kv.importance (policies that trim)
+        self.restart_importance = restart_importance  # a prompt's last queries replace earlier scores
         # quest: a decoding sequence's middle blocks and how many each KV head reads (None: all)
         self.select_hot = select_hot
         # attention_backend=triton: the Triton kernels (kernels/triton_backend.py) take decode
@@ -73,7 +75,8 @@ class ModelRunner:
         # where it builds and is the faster (else SDPA).
         self.prefill_kernel = cpu_kernels.prefill_attention() \
             if self.device.type == "cpu" and model.dtype == torch.bfloat16 else None
-        self.layered = LayeredPass(model, kv, layered_chunk_tokens, self.prefill_kernel, observe_importance)
+        self.layered = LayeredPass(model, kv, layered_chunk_tokens, self.prefill_kernel, observe_importance,
+                                   restart_importance)
         # Plain decode steps on a GPU replay CUDA graphs (kvreplay/engine/cuda_graphs.py);
         # not over a hybrid pool, whose local layers read other tables.
         self.graphs = DecodeGraphs(model, kv.kv_caches, kv.block_size,
@@ -211,7 +214,7 @@ class ModelRunner:
         importance = self.kv.importance
         for seq, indices, piece in observed:
             if piece.mass is not None:
-                importance.observe(seq.seq_id, indices, piece.mass[:len(indices)])
+                importance.observe(seq.seq_id, indices, piece.mass[:len(indices)], self.restart_importance)
         if meta.decode_mass is None:
             return
         hot_mass = meta.decode_mass.cpu()

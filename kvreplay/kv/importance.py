@@ -8,6 +8,12 @@ Two cheap observations feed it (docs/architecture.md §4 reclaim order; H2O and 
 - decode: every decode step's attention probabilities over the hot blocks and the cold blocks it
   read, in every layer.
 
+Under replay a prompt's observation restarts the scores (`observe(..., restart=True)`): the newest
+prompt's last queries rank what stays, as SnapKV scores by its observation window alone. A
+chat's next turn, or a context's question, replays what an earlier cut dropped, and without the
+restart the blocks the earlier turns' answers read (each decode step adds up to a unit per layer)
+outrank the block the new question asks for. The other presets accumulate (H2O's running sums).
+
 A block's score adds, per layer, the largest mass any query head put on it at any observed
 query: a block that one retrieval head reads for one query scores high even when every other
 head and query ignore it (a sum over the prompt's last queries ranked a planted fact's block
@@ -45,8 +51,12 @@ class BlockImportance:
     def __init__(self):
         self._mass: dict[int, torch.Tensor] = {}  # seq -> [capacity] float32, by table index
 
-    def observe(self, seq_id: int, block_indices: torch.Tensor | list[int], mass: torch.Tensor) -> None:
-        """Add `mass[i]` to block `block_indices[i]` of `seq_id` (both 1-D, same length)."""
+    def observe(self, seq_id: int, block_indices: torch.Tensor | list[int], mass: torch.Tensor,
+                restart: bool = False) -> None:
+        """Add `mass[i]` to block `block_indices[i]` of `seq_id` (both 1-D, same length); with
+        `restart`, after forgetting what was observed before."""
+        if restart:
+            self.forget(seq_id)
         if len(block_indices) == 0:
             return
         block_indices = torch.as_tensor(block_indices, dtype=torch.long, device="cpu")
