@@ -194,9 +194,9 @@ def test_engine_decodes_through_kernel_and_matches_pytorch_path(op, llm32, monke
         monkeypatch.setattr(runner, "decode_kernel", kernel)
         scores = seen.setdefault(label, [])
 
-        def observe(seq_id, indices, mass):  # record what the decode steps hand over
+        def observe(seq_id, indices, mass, restart=False):  # record what the decode steps hand over
             scores.append(mass.clone())
-            return original(seq_id, indices, mass)
+            return original(seq_id, indices, mass, restart)
         monkeypatch.setattr(engine.kv.importance, "observe", observe)
         out = [o.token_ids for o in llm32.generate(prompts, params)]
         engine.check_integrity()

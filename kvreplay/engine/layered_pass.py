@@ -45,7 +45,7 @@ class LayeredPass:
             return None
         if state.mass is not None:  # every block up to `end`, dropped ones included
             kv.importance.observe(seq.seq_id, list(range(len(state.mass))), state.mass,
-                                  self.restart_importance)
+                                  restart=self.restart_importance)
         with torch.inference_mode():
             logits = self.model.logits(state.hidden[-1:].contiguous(), None)
         state.hidden = state.mass = None

@@ -214,7 +214,8 @@ class ModelRunner:
         importance = self.kv.importance
         for seq, indices, piece in observed:
             if piece.mass is not None:
-                importance.observe(seq.seq_id, indices, piece.mass[:len(indices)], self.restart_importance)
+                importance.observe(seq.seq_id, indices, piece.mass[:len(indices)],
+                                   restart=self.restart_importance)
         if meta.decode_mass is None:
             return
         hot_mass = meta.decode_mass.cpu()
