@@ -2,9 +2,10 @@
 fact planted in each quarter of it, a question per round about a different quarter, in a seeded
 order. The four facts are of four kinds, each worded its own way (`FACTS`), so that a question
 draws attention to its own fact rather than to every fact alike: a policy that chose what to keep
-for the first question (SnapKV) is then measured on the later ones. Each round's prompt is the whole chat so far: the document and the first question, then
-the earlier questions with the answers the same policy gave, then the new question and its
-answer prefix. Each answer is scored by string match against its fact's number.
+for the first question (SnapKV) is then measured on the later ones. Each round's prompt is the
+whole chat so far: the document and the first question, then the earlier questions with the
+answers the same policy gave, then the new question and its answer prefix. Each answer is
+scored by string match against its fact's number.
 
 The first round's prompt is exactly the asked length; later rounds add their questions and
 answers (at most `EXTRA_TOKENS` in all).
